@@ -1,0 +1,34 @@
+"""Shared fixtures: captured tiny models, reused across tests."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+TINY = ["gpt-tiny", "llama-tiny", "vit-tiny", "swin-tiny", "t5-tiny", "moe-tiny",
+        "hf-gpt2-tiny", "hf-llama-tiny"]
+
+
+@functools.lru_cache(maxsize=None)
+def built(name: str):
+    """(model, inputs) of a bundled tiny model, seeded."""
+    from torchweave.models import FACTORIES
+
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return FACTORIES[name]()
+
+
+@functools.lru_cache(maxsize=None)
+def captured(name: str):
+    import torchweave
+
+    model, inputs = built(name)[:2]
+    return torchweave.capture(model, inputs, name=name)
+
+
+def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -1,0 +1,66 @@
+"""The `torchweave` command, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from torchweave.cli import main
+from torchweave.models import FACTORIES, gpt
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchweave", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_help_lists_subcommands() -> None:
+    out = run("--help")
+    assert out.returncode == 0
+    assert "inspect" in out.stdout and "models" in out.stdout
+
+
+def test_inspect_bundled_model_prints_rows_and_totals(capsys) -> None:
+    assert main(["inspect", "gpt-tiny"]) == 0
+    out = capsys.readouterr().out
+    for col in ("op", "source", "shapes", "annotation", "splittable", "GFLOPs", "MB"):
+        assert col in out
+    assert "gpt.py:" in out and "linear" in out and "k+" in out
+    assert "parameters:" in out and "FLOPs per train step" in out
+
+
+def test_inspect_user_file_factory(tmp_path) -> None:
+    src = tmp_path / "mine.py"
+    src.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+        def factory():
+            m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            return m, (torch.randn(4, 8),)
+    """))
+    out = run("inspect", f"{src}:factory", "--json", str(tmp_path / "t.json"))
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["params"] == 8 * 16 + 16 + 16 * 4 + 4
+    assert [r["op"] for r in data["ops"]].count("linear") == 2
+
+
+def test_bad_model_spec_is_a_clear_error(capsys) -> None:
+    assert main(["inspect", "no-such-model"]) == 2
+    out = capsys.readouterr().out
+    assert "gpt-small" in out and "file.py:factory" in out
+
+
+@pytest.mark.parametrize("name", ["gpt-small", "gpt-175b"])
+def test_gpt_flops_agree_with_the_standard_count(name: str) -> None:
+    """6·N·tokens + 12·L·d·s·tokens (PaLM, appendix B), within 2%."""
+    import torchweave
+
+    model, inputs = FACTORIES[name]()
+    summary = torchweave.summarize(torchweave.capture(model, inputs))
+    b, s = inputs[0].shape
+    want = gpt.flops_per_token(model.cfg, s) * b * s
+    assert abs(summary.train_flops / want - 1) < 0.02

@@ -1,0 +1,113 @@
+"""User ops: registered with an annotation, kept as one node, split like any op."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchweave
+from torchweave.errors import AnnotationError, RegistryError
+from torchweave.ops import REGISTRY, UnannotatedOpWarning
+from torchweave.ops.selfcheck import Case, check_case
+
+
+@torchweave.register_op("b s d^, d^ -> b s d^")
+def tw_test_rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def tw_test_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x @ w) * scale
+
+
+torchweave.register_op("m k+, k+ n -> m n", tw_test_scaled_mm)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+        self.proj = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x):
+        h = tw_test_rmsnorm(x, self.w)
+        return torch.ops.torchweave_user.tw_test_scaled_mm(h.reshape(-1, 8), self.proj, 0.5).sum()
+
+
+def test_custom_op_is_one_node_with_its_annotation() -> None:
+    graph = torchweave.capture(Net(), (torch.randn(2, 4, 8),))
+    nodes = {n.target: n for n in graph.nodes}
+    assert nodes["torchweave_user.tw_test_rmsnorm.default"].annotation == "b s d^, d^ -> b s d^"
+    assert nodes["torchweave_user.tw_test_scaled_mm.default"].annotation == "m k+, k+ n -> m n"
+
+
+def test_custom_op_captures_on_meta() -> None:
+    with torch.device("meta"):
+        net, x = Net(), torch.randn(2, 4, 8)
+    graph = torchweave.capture(net, (x,))
+    assert graph.values[graph.loss].meta.shape == ()
+
+
+def test_custom_op_gradients_match_the_function() -> None:
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 4, 8, requires_grad=True)
+    net(x).backward()
+    got = [net.w.grad.clone(), net.proj.grad.clone(), x.grad.clone()]
+    net.zero_grad()
+    x2 = x.detach().clone().requires_grad_()
+    h = x2 * torch.rsqrt(x2.pow(2).mean(-1, keepdim=True) + 1e-6) * net.w
+    ((h.reshape(-1, 8) @ net.proj) * 0.5).sum().backward()
+    for a, b in zip(got, [net.w.grad, net.proj.grad, x2.grad]):
+        torch.testing.assert_close(a, b)
+
+
+def test_custom_op_splits_pass_the_self_check() -> None:
+    op = torch.ops.torchweave_user.tw_test_scaled_mm.default
+    case = Case("torchweave_user.tw_test_scaled_mm.default", op,
+                (torch.randn(8, 16), torch.randn(16, 4), 0.5), {})
+    assert check_case(case) == []
+    assert "torchweave_user.tw_test_scaled_mm.default" in REGISTRY
+
+
+def test_custom_op_needs_type_hints() -> None:
+    with pytest.raises(RegistryError, match="type hints"):
+        @torchweave.register_op("a -> a")
+        def untyped(x):
+            return x
+
+
+def test_custom_op_output_dims_come_from_inputs() -> None:
+    with pytest.raises(AnnotationError, match="output dim 'z'"):
+        @torchweave.register_op("a -> a z")
+        def grow(x: torch.Tensor) -> torch.Tensor:
+            return x[:, None]
+
+
+def test_unannotated_op_warns_once_and_runs_replicated() -> None:
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.special.erfcx(x).sum() + torch.special.erfcx(x * 2).sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = torchweave.capture(M(), (torch.randn(4, 4),))
+    msgs = [str(w.message) for w in caught if issubclass(w.category, UnannotatedOpWarning)]
+    assert len(msgs) == 1
+    assert "special_erfcx" in msgs[0] and "test_custom_ops.py:" in msgs[0]
+    assert "register_annotation" in msgs[0]
+    node = next(n for n in graph.nodes if "erfcx" in n.target)
+    assert node.annotation == "? -> ?"
+    assert not torchweave.summarize(graph).rows[0].splittable.strip("-")
+
+
+def test_register_annotation_for_an_existing_op() -> None:
+    spec = torchweave.register_annotation("aten.special_erfcx", "a b -> a b", replace=True)
+    try:
+        x = torch.randn(4, 8)
+        case = Case("aten.special_erfcx.default", torch.ops.aten.special_erfcx.default, (x,), {})
+        assert check_case(case) == []
+    finally:
+        del REGISTRY.specs[spec.name]

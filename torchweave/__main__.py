@@ -1,0 +1,5 @@
+import sys
+
+from torchweave.cli import main
+
+sys.exit(main())

@@ -1,0 +1,28 @@
+"""The public entry points."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchweave.capture import capture as _capture
+from torchweave.ir.graph import Graph
+from torchweave.ops import annotate
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    name: str = "",
+) -> Graph:
+    """Capture ``model``'s forward pass (and loss) as an annotated :class:`Graph`.
+
+    Works on real tensors, and on meta tensors for models too large to
+    allocate: build the model and inputs under ``with torch.device("meta"):``.
+    """
+    graph = _capture(model, example_inputs, example_kwargs, name=name)
+    annotate(graph)
+    return graph

@@ -1,0 +1,5 @@
+"""Model → :class:`~torchweave.ir.Graph` through torch.export."""
+
+from torchweave.capture.export import capture
+
+__all__ = ["capture"]

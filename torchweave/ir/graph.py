@@ -1,0 +1,169 @@
+"""The captured forward computation: tensors, nodes and the graph.
+
+A :class:`Graph` is the forward pass once, as a flat list of :class:`Node` in
+execution order. Every tensor is a named *value* with a :class:`TensorMeta`.
+Node arguments keep the structure the op takes (lists, constants, dtypes) with
+each tensor replaced by a :class:`Ref` to a value name, so a graph can be run
+again, printed, or rendered as code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.utils._pytree as pytree
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        return f"{dt}[{', '.join(map(str, self.shape))}]"
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(tuple(int(s) for s in t.shape), t.dtype)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to a named tensor value inside node arguments."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+ValueKind = Literal["param", "buffer", "input", "activation"]
+
+
+@dataclass
+class Value:
+    """A tensor in the graph: where it comes from and what it looks like."""
+
+    name: str
+    meta: TensorMeta
+    kind: ValueKind
+    target: str = ""
+    """For params and buffers, the module path (``blocks.3.attn.qkv.weight``).
+    For inputs, the argument name of ``forward``."""
+    aliases: tuple[str, ...] = ()
+    """Other module paths of the same tensor (tied weights)."""
+    requires_grad: bool = False
+
+
+@dataclass
+class Node:
+    """One op call. ``args``/``kwargs`` hold :class:`Ref` in place of tensors."""
+
+    name: str
+    target: str
+    """The op's qualified name, e.g. ``aten.linear.default``."""
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[str, ...]
+    """Names of the tensor values this node produces, in output order."""
+    source: str = ""
+    """The user's source location, ``file.py:42``."""
+    source_line: str = ""
+    """That line of code, stripped."""
+    module: str = ""
+    """Module path of the innermost user module, ``blocks.3.attn``."""
+    annotation: str | None = None
+    """The bound dimension annotation, filled in by :mod:`torchweave.ops`."""
+    output_structure: Literal["single", "tuple"] = "single"
+    """Whether the op returns one tensor or a sequence of them."""
+
+    def input_refs(self) -> list[Ref]:
+        """Tensor inputs in flattened argument order (the annotation's order)."""
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        return [leaf for leaf in leaves if isinstance(leaf, Ref)]
+
+    @property
+    def op(self) -> Any:
+        """The callable this node runs."""
+        return resolve_target(self.target)
+
+
+def resolve_target(target: str) -> Any:
+    """``aten.linear.default`` → ``torch.ops.aten.linear.default``."""
+    ns, _, rest = target.partition(".")
+    obj: Any = getattr(torch.ops, ns)
+    for part in rest.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class Graph:
+    """A captured forward pass."""
+
+    nodes: list[Node]
+    values: dict[str, Value]
+    inputs: list[str]
+    """User input values in ``forward`` argument order."""
+    outputs: list[str]
+    """Output values in flattened order."""
+    loss: str | None = None
+    """The value that is the scalar loss, when the model returns one."""
+    model_name: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def params(self) -> list[Value]:
+        return [v for v in self.values.values() if v.kind == "param"]
+
+    def buffers(self) -> list[Value]:
+        return [v for v in self.values.values() if v.kind == "buffer"]
+
+    def num_params(self) -> int:
+        return sum(v.meta.numel for v in self.params())
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} in graph {self.model_name!r}")
+
+    def producers(self) -> dict[str, Node]:
+        """Value name → the node that produces it (activations only)."""
+        return {out: n for n in self.nodes for out in n.outputs}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        """Value name → nodes that read it, in execution order."""
+        users: dict[str, list[Node]] = {name: [] for name in self.values}
+        for n in self.nodes:
+            seen: set[str] = set()
+            for ref in n.input_refs():
+                if ref.name not in seen:
+                    users[ref.name].append(n)
+                    seen.add(ref.name)
+        return users
+
+    def input_metas(self, node: Node) -> list[TensorMeta]:
+        return [self.values[r.name].meta for r in node.input_refs()]
+
+    def output_metas(self, node: Node) -> list[TensorMeta]:
+        return [self.values[o].meta for o in node.outputs]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)

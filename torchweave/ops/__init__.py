@@ -1,0 +1,16 @@
+"""Operator annotations: the grammar, the registry, and what they derive."""
+
+from torchweave.ops import aten as _aten  # noqa: F401 - registers the built-in ops
+from torchweave.ops.annotate import OpInfo, UnannotatedOpWarning, annotate, call_of, info
+from torchweave.ops.bind import Bound, Split, bind
+from torchweave.ops.grammar import Annotation, parse
+from torchweave.ops.registry import REGISTRY, Call, OpSpec, Registry
+
+__all__ = [
+    "REGISTRY", "Annotation", "Bound", "Call", "OpInfo", "OpSpec", "Registry", "Split",
+    "UnannotatedOpWarning", "annotate", "bind", "call_of", "info", "parse",
+]
+
+from torchweave.ops.custom import register_annotation, register_op  # noqa: E402
+
+__all__ += ["register_annotation", "register_op"]

@@ -1,0 +1,141 @@
+"""User-registered ops: one annotated function becomes one splittable node.
+
+``@torchweave.register_op("b s d, d -> b s d")`` turns a Python function into
+a torch custom op (so torch.export keeps it as a single node), derives its
+output shapes from the annotation (so it captures on meta tensors), gives it a
+backward by re-running the function under autograd, and registers the
+annotation so plans can split it like any built-in op.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Literal
+
+import torch
+
+from torchweave.errors import AnnotationError, Problem, RegistryError
+from torchweave.ops.grammar import Annotation, TensorSpec, normalize_kinds, parse
+from torchweave.ops.registry import REGISTRY, OpSpec, Rule
+
+NAMESPACE = "torchweave_user"
+
+
+def register_annotation(
+    target: str | Any, annotation: str | Rule, *, partial: Literal["sum", "avg"] = "sum",
+    flops_per_point: float = 1.0, replace: bool = False,
+) -> OpSpec:
+    """Annotate an existing op, e.g. ``register_annotation("aten.erfinv", "a b -> a b")``."""
+    name = target if isinstance(target, str) else str(target)
+    return REGISTRY.add(
+        OpSpec(name=name, annotation=annotation, partial=partial, flops_per_point=flops_per_point),
+        replace=replace,
+    )
+
+
+def register_op(
+    annotation: str, fn: Callable[..., Any] | None = None, *, name: str | None = None,
+    partial: Literal["sum", "avg"] = "sum", flops_per_point: float = 1.0,
+) -> Any:
+    """Register ``fn`` as a custom op with ``annotation``; usable as a decorator."""
+    ann = normalize_kinds(parse(annotation))
+
+    def wrap(func: Callable[..., Any]) -> Any:
+        opname = name or func.__name__
+        _check_signature(func, opname, annotation)
+        _check_outputs_sized(ann, opname, annotation)
+        qual = f"{NAMESPACE}::{opname}"
+        try:
+            op = torch.library.custom_op(qual, mutates_args=())(func)
+        except (ValueError, RuntimeError) as exc:
+            raise RegistryError(Problem(
+                obj=f"register_op {opname}", value=str(exc).splitlines()[0],
+                rule="torch.library.custom_op accepts the function",
+                fix="annotate every parameter and the return type (torch.Tensor, int, float, bool)",
+            )) from None
+        op.register_fake(_fake(ann))
+        _setup, _backward = _recompute_backward(func)
+        op.register_autograd(_backward, setup_context=_setup)
+        REGISTRY.add(OpSpec(name=f"{NAMESPACE}.{opname}.default", annotation=annotation,
+                            partial=partial, flops_per_point=flops_per_point, doc=func.__doc__ or ""),
+                     replace=True)
+        return op
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def _check_signature(func: Callable[..., Any], opname: str, text: str) -> None:
+    sig = inspect.signature(func)
+    missing = [p for p, v in sig.parameters.items() if v.annotation is inspect.Parameter.empty]
+    if missing or sig.return_annotation is inspect.Signature.empty:
+        raise RegistryError(Problem(
+            obj=f"register_op({text!r}) on {opname}",
+            value=f"parameters without type hints: {missing or ['return']}",
+            rule="a custom op declares the type of each argument and of its result",
+            fix=f"def {opname}(x: torch.Tensor, ...) -> torch.Tensor",
+        ))
+
+
+def _check_outputs_sized(ann: Annotation, opname: str, text: str) -> None:
+    known = {n for t in ann.inputs for n in t.names()}
+    for t in ann.outputs:
+        for n in t.names():
+            if n not in known:
+                raise AnnotationError(Problem(
+                    obj=f"register_op({text!r}) on {opname}", value=f"output dim {n!r}",
+                    rule="every output dim of a custom op also names an input dim",
+                    fix="name the output's dims after input dims so its shape can be derived",
+                ))
+
+
+def _fake(ann: Annotation) -> Callable[..., Any]:
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        sizes: dict[str, int] = {}
+        for spec, t in zip(ann.inputs, tensors):
+            for axis, size in zip(spec.axes, t.shape):
+                if len(axis.dims) == 1:
+                    sizes[axis.dims[0].name] = int(size)
+        outs = [torch.empty(_shape(spec, sizes), dtype=tensors[0].dtype, device=tensors[0].device)
+                for spec in ann.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return fake
+
+
+def _shape(spec: TensorSpec, sizes: dict[str, int]) -> list[int]:
+    shape = []
+    for axis in spec.axes:
+        size = 1
+        for d in axis.dims:
+            size *= sizes[d.name]
+        shape.append(size)
+    return shape
+
+
+def _recompute_backward(func: Callable[..., Any]):
+    """Backward that re-runs ``func`` under autograd on the saved inputs."""
+
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in inputs]
+        ctx.consts = [None if t else x for x, t in zip(inputs, ctx.is_tensor)]
+        ctx.save_for_backward(*[x for x in inputs if isinstance(x, torch.Tensor)])
+
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        saved = iter(ctx.saved_tensors)
+        args = []
+        for is_t, const in zip(ctx.is_tensor, ctx.consts):
+            if is_t:
+                t = next(saved).detach()
+                args.append(t.requires_grad_(t.is_floating_point()))
+            else:
+                args.append(const)
+        with torch.enable_grad():
+            out = func(*args)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        got = iter(torch.autograd.grad(outs, wrt, grads[: len(outs)], allow_unused=True))
+        return tuple(next(got) if isinstance(a, torch.Tensor) and a.requires_grad else None
+                     for a in args)
+
+    return setup, backward
