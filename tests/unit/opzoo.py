@@ -12,8 +12,6 @@ range, masks as bools).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,10 +20,6 @@ from torchweave.capture.export import capture
 from torchweave.ops.selfcheck import Case, graph_cases
 
 B, T, D = 4, 8, 16
-
-
-def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen)
 
 
 class Elementwise(nn.Module):
@@ -72,9 +66,9 @@ class Reductions(nn.Module):
 class Shapes(nn.Module):
     """Slicing, stacking, splitting, padding, gathering and copies."""
 
-    def __init__(self, gen: torch.Generator) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(_randn(gen, D, T))
+        self.w = nn.Parameter(torch.randn(T, D))
 
     def forward(self, x, index):
         # x [B T D]; index [B T 4] int64 in [0, D)
@@ -87,7 +81,7 @@ class Shapes(nn.Module):
         proj = x @ self.w.t()                                # t, matmul [B T T]
         tri = proj.tril() - proj.triu(1)
         rep = st.repeat(1, 2, 1)                             # [B 4 D]
-        pad = F.pad(head, (2, 2), value=0.5)                 # constant_pad_nd [B T 8]
+        pad = torch.constant_pad_nd(head, (2, 2), 0.5)      # [B T 8]
         g = x.gather(-1, index)                              # [B T 4]
         sc = torch.zeros_like(x).scatter(-1, index, 1.0)     # scatter.value
         sc = sc.scatter(-1, index[..., :2], g[..., :2])      # scatter.src
@@ -102,19 +96,16 @@ class Shapes(nn.Module):
 class Contractions(nn.Module):
     """Matrix products, addmm with scaling, convolutions, RMS norm."""
 
-    def __init__(self, gen: torch.Generator) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv1d(D, D, kernel_size=3, padding=1)
         self.grouped = nn.Conv1d(D, D, kernel_size=3, padding=1, groups=2, bias=False)
-        self.kernel = nn.Parameter(_randn(gen, D, D, 1) * 0.2)
+        self.kernel = nn.Parameter(torch.randn(D, D, 1) * 0.2)
         self.norm = nn.RMSNorm(D, eps=1e-6)
-        self.w = nn.Parameter(_randn(gen, D, D) * 0.2)
-        self.b = nn.Parameter(_randn(gen, D))
-        self.b2 = nn.Parameter(_randn(gen, B * T, D))
-        self.v = nn.Parameter(_randn(gen, D))
-        with torch.no_grad():
-            for p in (*self.conv.parameters(), self.grouped.weight, self.norm.weight):
-                p.copy_(_randn(gen, *p.shape) * 0.2 + (1.0 if p is self.norm.weight else 0.0))
+        self.w = nn.Parameter(torch.randn(D, D) * 0.2)
+        self.b = nn.Parameter(torch.randn(D))
+        self.b2 = nn.Parameter(torch.randn(B * T, D))
+        self.v = nn.Parameter(torch.randn(D))
 
     def forward(self, x, y):
         # x [B T D], y [B D T]
@@ -164,16 +155,21 @@ class InternalOps(nn.Module):
         return q, v, s
 
 
-@functools.lru_cache(maxsize=1)
-def _cases() -> tuple[Case, ...]:
-    gen = torch.Generator().manual_seed(0)
-    x = _randn(gen, B, T, D)
+def zoo_cases() -> list[Case]:
+    """Every op call of every zoo, on the tensors the captured graphs see."""
+    with torch.random.fork_rng(devices=[]):  # seeded here, the global RNG left as it was
+        torch.manual_seed(0)
+        return _cases()
+
+
+def _cases() -> list[Case]:
+    x = torch.randn(B, T, D)
     zoos: list[tuple[nn.Module, tuple[torch.Tensor, ...]]] = [
-        (Elementwise(), (x, _randn(gen, T, D), torch.rand(B, 1, D, generator=gen) > 0.3,
-                         torch.randint(0, 5, (B, T), generator=gen))),
+        (Elementwise(), (x, torch.randn(T, D), torch.rand(B, 1, D) > 0.3,
+                         torch.randint(0, 5, (B, T)))),
         (Reductions(), (x,)),
-        (Shapes(gen), (x, torch.randint(0, D, (B, T, 4), generator=gen))),
-        (Contractions(gen), (x, _randn(gen, B, D, T))),
+        (Shapes(), (x, torch.randint(0, D, (B, T, 4)))),
+        (Contractions(), (x, torch.randn(B, D, T))),
         (Factories(), (x,)),
         (InternalOps(), (x,)),
     ]
@@ -182,9 +178,4 @@ def _cases() -> tuple[Case, ...]:
         graph = capture(model, inputs, name=type(model).__name__)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         cases.extend(graph_cases(graph, state, inputs, f"zoo.{type(model).__name__}"))
-    return tuple(cases)
-
-
-def zoo_cases() -> list[Case]:
-    """Every op call of every zoo, on the tensors the captured graphs see."""
-    return list(_cases())
+    return cases

@@ -80,19 +80,35 @@ op("aten.linear", _linear, flops_per_point=2.0)
 op(["aten.matmul", "aten.bmm", "aten.mm"], _matmul, flops_per_point=2.0)
 op("aten.einsum", lambda c: rules.einsum(c.arg(0, "equation"), [len(m.shape) for m in c.inputs]),
    flops_per_point=2.0)
-op("aten.addmm", "n^, m k^, k^ n -> m n", flops_per_point=2.0)
+
+
+def _addmm(call: Call) -> str:
+    """``beta * bias + alpha * (a @ b)``; the bias broadcasts against ``m n``.
+
+    Capture turns plain addmm into mm + add; this is addmm with beta or alpha.
+    Its contraction may not be split: every piece would add the bias.
+    """
+    out = call.outputs[0].shape
+    off = len(out) - len(call.inputs[0].shape)
+    bias = [n if size == out[i + off] else "1"
+            for i, (n, size) in enumerate(zip(["m", "n"][off:], call.inputs[0].shape))]
+    return f"{join(bias)}, m k^, k^ n -> m n"
+
+
+op("aten.addmm", _addmm, flops_per_point=2.0)
 
 
 def _conv(call: Call) -> str:
     groups = call.arg(6, "groups", 1)
     c = "c^" if len(call.inputs) == 3 or groups != 1 else "c+"
     o = "o" if groups == 1 else "o^"
+    cw = c if groups == 1 else "cg^"  # a grouped weight holds c / groups input channels
     spatial = len(call.inputs[0].shape) - 2
     hs = [f"h{i}^" for i in range(spatial)]
     ks = [f"k{i}^" for i in range(spatial)]
     os_ = [f"q{i}^" for i in range(spatial)]
     bias = f", {o}" if len(call.inputs) == 3 else ""
-    return f"n {c} {' '.join(hs)}, {o} {c} {' '.join(ks)}{bias} -> n {o} {' '.join(os_)}"
+    return f"n {c} {' '.join(hs)}, {o} {cw} {' '.join(ks)}{bias} -> n {o} {' '.join(os_)}"
 
 
 def _conv_flops(call: Call, bound: Any) -> float:
@@ -192,9 +208,10 @@ op("aten.topk", lambda c: rules.replace_axis(
 op(["aten.view", "aten.reshape", "aten._unsafe_view"], rules.reshape, shape_arg=(1, "size"),
    flops_per_point=0.0)
 op("aten.flatten.using_ints", rules.reshape, flops_per_point=0.0)
-op(["aten.unsqueeze", "aten.squeeze"], rules.reshape, flops_per_point=0.0)
+op("aten.unsqueeze", rules.reshape, flops_per_point=0.0)
+op("aten.squeeze", rules.squeeze, flops_per_point=0.0)
 op("aten.transpose.int", rules.transpose, flops_per_point=0.0)
-op("aten.t", rules.transpose, flops_per_point=0.0)
+op("aten.t", lambda c: rules.permute(c, list(range(c.rank))[::-1]), flops_per_point=0.0)
 op("aten.permute", lambda c: rules.permute(c, c.arg(1, "dims")), flops_per_point=0.0)
 
 
@@ -306,9 +323,9 @@ op("aten.index.Tensor", _index, flops_per_point=0.0)
 op(["aten.arange", "aten.zeros", "aten.ones", "aten.full", "aten.empty", "aten.new_ones",
     "aten.new_zeros", "aten.new_full", "aten.new_empty", "aten.zeros_like", "aten.ones_like",
     "aten.full_like", "aten.one_hot", "aten.triu", "aten.tril", "aten.scalar_tensor",
-    "aten.rand_like", "aten.randn_like", "aten.gather", "aten.scatter", "aten.scatter_add",
-    "aten.repeat"],
+    "aten.gather", "aten.scatter", "aten.scatter_add", "aten.repeat"],
    rules.outputs_only, flops_per_point=0.0)
+op(["aten.rand_like", "aten.randn_like"], rules.outputs_only, flops_per_point=0.0, random=True)
 
 
 # ---------------------------------------------------------------- embedding

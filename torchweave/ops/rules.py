@@ -46,10 +46,15 @@ def norm_dim(dim: int, rank: int) -> int:
 
 
 def dims_arg(value: object, rank: int) -> list[int]:
+    """A ``dim`` argument as sorted axes; None and ``[]`` mean every axis
+    (``sum(x, dim=[])`` reduces all of them, ``roll(x, s, dims=[])`` rolls the
+    flattened tensor)."""
     if value is None:
         return list(range(rank))
     if isinstance(value, int):
         value = [value]
+    if len(value) == 0:  # type: ignore[arg-type]
+        return list(range(rank))
     return sorted(norm_dim(int(d), rank) for d in value)  # type: ignore[union-attr]
 
 
@@ -126,6 +131,33 @@ def reshape(call: Call) -> str:
         _match_group(a, b, src, dst, taken, ins, outs)
     rest = ["?"] * (len(call.inputs) - 1)
     return f"{join(ins, *rest)} -> {join(outs)}"
+
+
+def squeeze(call: Call) -> str:
+    """``squeeze(x, dim)``: addressed size-one axes disappear.
+
+    A piece squeezes by its own shape, so an addressed axis of size > 1 (a
+    no-op for the whole; every axis for ``squeeze(x)``) may not be split: a
+    piece of size one would lose it.
+    """
+    shape = call.inputs[0].shape
+    dims = call.arg(1, "dim")
+    if dims is None:
+        hit = set(range(len(shape)))
+    else:  # unlike a reduction's, an empty list addresses no axis
+        hit = {norm_dim(d, len(shape)) for d in ([dims] if isinstance(dims, int) else dims)}
+    ins: list[str] = []
+    outs: list[str] = []
+    for i, (name, size) in enumerate(zip(LETTERS, shape)):
+        if size == 1:
+            ins.append("1")
+            if i not in hit:
+                outs.append("1")
+            continue
+        axis = f"{name}^" if i in hit else name
+        ins.append(axis)
+        outs.append(axis)
+    return f"{join(ins)} -> {join(outs)}"
 
 
 def _match_group(a, b, src, dst, taken, ins, outs) -> None:

@@ -1,0 +1,340 @@
+"""Derive the communication between a producer's layout and a consumer's needs.
+
+The search runs in fixed phases, each choosing the cheapest collective that
+applies to regular groups of devices: reduce partial sums (reduce-scatter if
+each member needs only its chunk, else all-reduce); gather shards (all-to-all
+when each member then needs only a chunk along another axis, else all-gather);
+cut what is held down to what is needed (a split with an all-gather backward
+when replicas keep different chunks, else a local narrow); finally sum the
+gradients of a replicated tensor read by different pieces (``R'``). Whatever
+fits no regular group falls back to point-to-point transfers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Hashable
+
+from torchweave.lower.steps import (
+    P2P, AllGather, AllReduce, AllToAll, Box, GradAllReduce, Group, Narrow, ReduceScatter,
+    Split, Step, Transfer,
+)
+from torchweave.plan.layout import Piece
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one device's consumer piece reads: a box, and who it is."""
+
+    box: Box
+    piece_id: Hashable
+    """Identity of the consumer piece without its replica index: devices that
+    read the same box for different pieces hold partial gradients."""
+
+
+@dataclass
+class Derivation:
+    steps: list[Step] = field(default_factory=list)
+    grad_groups: tuple[Group, ...] = ()
+    """Groups whose gradients still need summing (params: done by grad sync)."""
+    result: dict[int, Piece] = field(default_factory=dict)
+
+
+def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], *,
+           defer_grad_sum: bool = False) -> Derivation:
+    """Steps that give every device in ``dst`` the box it needs."""
+    held = dict(src)
+    steps: list[Step] = []
+    if any(d not in held for d in dst):
+        return _p2p(shape, src, dst)
+    if any(p.is_partial for p in held.values()):
+        step = _reduce(held, dst)
+        if step is None:
+            return _p2p(shape, src, dst)
+        steps.append(step)
+    for _ in range(len(shape) + 1):
+        if all(held[d].contains(n.box) for d, n in dst.items()):
+            break
+        step = _gather(held, dst)
+        if step is None:
+            return _p2p(shape, src, dst)
+        steps.append(step)
+    else:
+        return _p2p(shape, src, dst)
+    cut = _cut(held, dst)
+    steps.extend(cut)
+    groups = _sum_groups(dst)
+    if groups is None:
+        return _p2p(shape, src, dst)
+    out = Derivation(steps, (), held)
+    if groups:
+        last = steps[-1] if steps else None
+        if isinstance(last, AllReduce) and set(last.groups) == set(groups):
+            steps[-1] = replace(last, bwd="all_reduce")
+        elif isinstance(last, AllGather) and set(last.groups) == set(groups):
+            steps[-1] = replace(last, bwd="reduce_scatter")
+        elif defer_grad_sum and not steps:
+            out.grad_groups = groups
+        else:
+            steps.append(GradAllReduce(groups))
+    return out
+
+
+# ---------------------------------------------------------------- phases
+def _reduce(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
+    by_box: dict[Box, list[int]] = {}
+    for d in sorted(held):
+        by_box.setdefault(held[d].box, []).append(d)
+    groups: list[Group] = []
+    for box, devs in by_box.items():
+        count = held[devs[0]].partial[1]
+        slots: list[dict[int, int]] = []
+        for d in devs:
+            idx = held[d].partial[0]
+            if held[d].partial[1] != count:
+                return None
+            slot = next((s for s in slots if idx not in s), None)
+            if slot is None:
+                slot = {}
+                slots.append(slot)
+            slot[idx] = d
+        for s in slots:
+            if len(s) != count:
+                return None
+            groups.append(tuple(sorted(s.values())))
+    axis = _scatter_axis(groups, held, dst)
+    if axis is not None:
+        for g in groups:
+            for k, d in enumerate(g):
+                held[d] = Piece(_chunk(held[d].box, axis, k, len(g)))
+        return ReduceScatter(tuple(groups), axis)
+    for g in groups:
+        for d in g:
+            held[d] = Piece(held[d].box)
+    return AllReduce(tuple(groups))
+
+
+def _chunk(box: Box, axis: int, k: int, n: int) -> Box:
+    a, b = box[axis]
+    step = (b - a) // n
+    return box[:axis] + ((a + k * step, a + (k + 1) * step),) + box[axis + 1:]
+
+
+def _scatter_axis(groups: list[Group], held: dict[int, Piece], dst: dict[int, Need]) -> int | None:
+    """An axis along which each member needs only its own chunk."""
+    box0 = held[groups[0][0]].box
+    for axis in range(len(box0)):
+        ok = True
+        for g in groups:
+            box = held[g[0]].box
+            a, b = box[axis]
+            if (b - a) % len(g) or any(d not in dst for d in g):
+                ok = False
+                break
+            for k, d in enumerate(g):
+                if not Piece(_chunk(box, axis, k, len(g))).contains(dst[d].box):
+                    ok = False
+                    break
+            if not ok:
+                break
+        if ok:
+            return axis
+    return None
+
+
+def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
+    """One all-gather (or all-to-all) along the axis that helps most."""
+    best: tuple[int, Step, dict[int, Piece]] | None = None
+    for axis in range(len(next(iter(held.values())).box)):
+        groups = _tiling_groups(held, axis)
+        if not groups:
+            continue
+        new = dict(held)
+        for g in groups:
+            lo, hi = held[g[0]].box[axis][0], held[g[-1]].box[axis][1]
+            for d in g:
+                box = held[d].box
+                new[d] = Piece(box[:axis] + ((lo, hi),) + box[axis + 1:])
+        fixed = sum(1 for d, n in dst.items() if new[d].contains(n.box) and not held[d].contains(n.box))
+        if fixed == 0:
+            continue
+        step: Step = AllGather(tuple(groups), axis)
+        a2a = _all_to_all(groups, held, new, dst, axis)
+        if a2a is not None:
+            step, new = a2a
+        if best is None or fixed > best[0]:
+            best = (fixed, step, new)
+    if best is None:
+        return None
+    held.update(best[2])
+    return best[1]
+
+
+def _tiling_groups(held: dict[int, Piece], axis: int) -> list[Group]:
+    """Groups of devices whose boxes tile a range along ``axis`` in rank order."""
+    buckets: dict[tuple, dict[tuple[int, int], list[int]]] = {}
+    for d in sorted(held):
+        p = held[d]
+        key = (p.box[:axis] + p.box[axis + 1:], p.partial)
+        buckets.setdefault(key, {}).setdefault(p.box[axis], []).append(d)
+    groups: list[Group] = []
+    for ranges in buckets.values():
+        if len(ranges) < 2:
+            continue
+        order = sorted(ranges)
+        sizes = {b - a for a, b in order}
+        contiguous = all(order[i][1] == order[i + 1][0] for i in range(len(order) - 1))
+        counts = {len(v) for v in ranges.values()}
+        if len(sizes) != 1 or not contiguous or len(counts) != 1:
+            return []
+        for j in range(counts.pop()):
+            g = tuple(ranges[r][j] for r in order)
+            if list(g) != sorted(g):
+                return []
+            groups.append(g)
+    return groups
+
+
+def _all_to_all(groups, held, gathered, dst, axis):
+    """S(axis) → S(b): each member then keeps chunk k along ``b``."""
+    for b in range(len(held[groups[0][0]].box)):
+        if b == axis:
+            continue
+        new = dict(gathered)
+        ok = True
+        for g in groups:
+            for k, d in enumerate(g):
+                box = gathered[d].box
+                lo, hi = box[b]
+                if (hi - lo) % len(g) or d not in dst:
+                    ok = False
+                    break
+                new[d] = Piece(_chunk(box, b, k, len(g)))
+                if not new[d].contains(dst[d].box):
+                    ok = False
+                    break
+            if not ok:
+                break
+        if ok:
+            return AllToAll(tuple(groups), b, axis), new
+    return None
+
+
+def _cut(held: dict[int, Piece], dst: dict[int, Need]) -> list[Step]:
+    """Slice held pieces down to the needed boxes."""
+    need_cut = {d for d, n in dst.items() if held[d].box != n.box}
+    if not need_cut:
+        return []
+    steps: list[Step] = []
+    split = _split_groups(held, dst, need_cut)
+    if split is not None:
+        axis, groups = split
+        steps.append(Split(tuple(groups), axis))
+        for g in groups:
+            for k, d in enumerate(g):
+                held[d] = Piece(_chunk(held[d].box, axis, k, len(g)))
+        need_cut = {d for d in need_cut if held[d].box != dst[d].box}
+    if need_cut:
+        boxes = []
+        for d in sorted(need_cut):
+            origin = held[d].box
+            local = tuple((a - o[0], b - o[0]) for (a, b), o in zip(dst[d].box, origin))
+            boxes.append((d, local))
+            held[d] = Piece(dst[d].box)
+        steps.append(Narrow(tuple(boxes)))
+    return steps
+
+
+def _split_groups(held, dst, need_cut) -> tuple[int, list[Group]] | None:
+    """Replicas of one held box whose members need consecutive chunks of it."""
+    by_box: dict[Box, list[int]] = {}
+    for d in sorted(need_cut):
+        by_box.setdefault(held[d].box, []).append(d)
+    ndim = len(next(iter(by_box)))
+    for axis in range(ndim):
+        groups: list[Group] = []
+        for box, devs in by_box.items():
+            found = _split_along(box, devs, dst, axis)
+            if found is None:
+                break
+            groups.extend(found)
+        else:
+            return axis, groups
+    return None
+
+
+def _split_along(box: Box, devs: list[int], dst: dict[int, Need], axis: int) -> list[Group] | None:
+    a, b = box[axis]
+    ranges = sorted({dst[d].box[axis] for d in devs})
+    n = len(ranges)
+    if n < 2 or (b - a) % n:
+        return None
+    chunks: dict[int, list[int]] = {}
+    for d in devs:
+        k = ranges.index(dst[d].box[axis])
+        if dst[d].box[axis] != _chunk(box, axis, k, n)[axis]:
+            return None
+        chunks.setdefault(k, []).append(d)
+    if len({len(v) for v in chunks.values()}) != 1:
+        return None
+    groups = [tuple(chunks[k][j] for k in range(n)) for j in range(len(chunks[0]))]
+    return groups if all(list(g) == sorted(g) for g in groups) else None
+
+
+def _sum_groups(dst: dict[int, Need]) -> tuple[Group, ...] | None:
+    """Devices reading the same box for different pieces: their grads add up."""
+    by_box: dict[Box, dict[Hashable, list[int]]] = {}
+    for d in sorted(dst):
+        by_box.setdefault(dst[d].box, {}).setdefault(dst[d].piece_id, []).append(d)
+    groups: list[Group] = []
+    for ids in by_box.values():
+        if len(ids) < 2:
+            continue
+        counts = {len(v) for v in ids.values()}
+        if len(counts) != 1:
+            return None
+        for j in range(counts.pop()):
+            groups.append(tuple(sorted(v[j] for v in ids.values())))
+    return tuple(groups)
+
+
+# ---------------------------------------------------------------- fallback
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _local(box: Box, origin: Box) -> Box:
+    return tuple((a - o[0], b - o[0]) for (a, b), o in zip(box, origin))
+
+
+def _p2p(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need]) -> Derivation:
+    """Every needed region from one holder per partial term; grads to all holders."""
+    transfers: list[Transfer] = []
+    back: list[Transfer] = []
+    for d in sorted(dst):
+        need = dst[d].box
+        count = max(p.partial[1] for p in src.values())
+        for term in range(count):
+            sources = [s for s in sorted(src, key=lambda s: (s != d, s))
+                       if count == 1 or src[s].partial == (term, count)]
+            covered: list[Box] = []
+            for s in sources:
+                region = _intersect(src[s].box, need)
+                if region is None or any(_intersect(region, c) == region for c in covered):
+                    continue
+                covered.append(region)
+                transfers.append(Transfer(s, d, _local(region, src[s].box), _local(region, need),
+                                          add=count > 1))
+        for s in sorted(src):
+            region = _intersect(src[s].box, need)
+            if region is not None:
+                back.append(Transfer(d, s, _local(region, need), _local(region, src[s].box), add=True))
+    replicas: dict[tuple, int] = {}
+    for n in dst.values():
+        replicas[(n.box, n.piece_id)] = replicas.get((n.box, n.piece_id), 0) + 1
+    scale = tuple((d, 1.0 / replicas[(n.box, n.piece_id)]) for d, n in sorted(dst.items())
+                  if replicas[(n.box, n.piece_id)] > 1)
+    shapes = tuple((d, tuple(b - a for a, b in dst[d].box)) for d in sorted(dst))
+    result = {d: Piece(dst[d].box) for d in dst}
+    return Derivation([P2P(tuple(transfers), shapes, tuple(back), scale)], (), result)

@@ -1,0 +1,250 @@
+"""Plan → one Program per rank.
+
+Walk the graph once. For each node: find what each of its pieces reads, derive
+the communication from where those tensors are to where they are needed
+(shared by every consumer that needs the same layout), then emit the piece's
+compute on its device and record where its outputs now live.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+from torchweave.errors import Problem
+from torchweave.ir.graph import Graph, Node, Ref
+from torchweave.lower.derive import Need, derive
+from torchweave.lower.pieces import (
+    PieceInfo, local_call, node_pieces, output_piece, tensor_box,
+)
+from torchweave.lower.program import (
+    Comm, Compute, Free, InputSlot, LocalRef, ParamSlot, Program,
+)
+from torchweave.lower.steps import Group, devices_of, name_of
+from torchweave.ops import info
+from torchweave.plan.layout import Layout, Piece, full_box
+from torchweave.plan.plan import Plan
+from torchweave.plan.validate import PlanError, validate
+
+
+class Lowering:
+    """State of one lowering pass (kept in one object, not passed around)."""
+
+    def __init__(self, graph: Graph, plan: Plan) -> None:
+        self.graph, self.plan = graph, plan
+        self.world = plan.world_size
+        self.programs = [Program(r, self.world, plan.name, [], mesh=str(plan.mesh or ""))
+                         for r in range(self.world)]
+        self.held: dict[str, dict[int, Piece]] = {}
+        self.local: dict[tuple[str, int], str] = {}  # (value, device) → local name
+        self.cache: dict[tuple, tuple[dict[int, Piece], str]] = {}
+        self.groups: dict[Group, int] = {}
+        self.param_grad: dict[str, tuple[Group, ...]] = {}
+        self.param_needs: dict[str, dict[int, Piece]] = {}
+        self.counter = 0
+        self.layouts: dict[str, Layout] = {}
+
+    # ------------------------------------------------------------ driver
+    def run(self) -> list[Program]:
+        self._place_inputs()
+        for node in self.graph.nodes:
+            self._node(node)
+        self._finish()
+        return self.programs
+
+    def _place_inputs(self) -> None:
+        for i, name in enumerate(self.graph.inputs):
+            meta = self.graph.values[name].meta
+            self.held[name] = {d: Piece(full_box(meta.shape)) for d in range(self.world)}
+            for d in range(self.world):
+                self.local[(name, d)] = name
+                self.programs[d].inputs.append(InputSlot(name, i, self.graph.values[name].target))
+
+    def _node(self, node: Node) -> None:
+        inf = info(self.graph, node)
+        bound, spec = inf.bound, inf.spec
+        pieces = node_pieces(self.plan, node.name)
+        by_device: dict[int, list[PieceInfo]] = {}
+        for p in pieces:
+            by_device.setdefault(p.device, []).append(p)
+        multi = [d for d, ps in by_device.items() if len(ps) > 1]
+        if multi:
+            raise PlanError(Problem(
+                obj=f"node {node.name}", value=f"{len(by_device[multi[0]])} pieces on device {multi[0]}",
+                rule="this runtime runs one piece of a node per device",
+                fix="assign each piece to its own device",
+            ))
+        refs = node.input_refs()
+        specs = bound.annotation.inputs
+        for ref, spec_i in zip(dict.fromkeys(r.name for r in refs), [None] * len(refs)):
+            del spec_i
+        local_inputs: dict[tuple[int, int], str] = {}
+        for k, (ref, tspec) in enumerate(zip(refs, specs)):
+            meta = self.graph.values[ref.name].meta
+            needs = {d: Need(tensor_box(bound, tspec, meta.shape, ps[0]), ps[0].piece_id)
+                     for d, ps in by_device.items()}
+            names = self._provide(ref.name, needs, node)
+            for d, name in names.items():
+                local_inputs[(k, d)] = name
+        outs = self.graph.output_metas(node)
+        for d, (p,) in sorted(by_device.items()):
+            k = iter(range(len(refs)))
+            args, kwargs = pytree.tree_map(
+                lambda x: LocalRef(local_inputs[(next(k), d)]) if isinstance(x, Ref) else x,
+                (node.args, node.kwargs))
+            out_box = tensor_box(bound, bound.annotation.outputs[0], outs[0].shape, p) if outs else ()
+            fn, args, kwargs = local_call(spec, node.target, args, kwargs, bound, out_box, p)
+            names = tuple(f"{o}" if o else "" for o in node.outputs)
+            comment = self._comment(bound, outs, p)
+            self.programs[d].instrs.append(Compute(node.name, fn, args, kwargs, names,
+                                                   node.output_structure, comment))
+        for j, (out, meta) in enumerate(zip(node.outputs, outs)):
+            if not out:
+                continue
+            self.held[out] = {d: output_piece(bound, bound.annotation.outputs[j], meta.shape, ps[0])
+                              for d, ps in by_device.items()}
+            for d in by_device:
+                self.local[(out, d)] = out
+            self.layouts[out] = Layout.of(meta.shape, self.held[out])
+
+    def _comment(self, bound, outs, p: PieceInfo) -> str:
+        if not outs:
+            return ""
+        box = tensor_box(bound, bound.annotation.outputs[0], outs[0].shape, p)
+        shape = ", ".join(str(b - a) for a, b in box)
+        split = " ".join(f"{d}{k}/{n}" for d, (k, n) in sorted(p.chunks.items()))
+        return f"({shape})  {bound}" + (f"  [{split}]" if split else "")
+
+    # ------------------------------------------------------------ communication
+    def _provide(self, value: str, needs: dict[int, Need], node: Node) -> dict[int, str]:
+        """Local names, per device, of ``value`` laid out as ``needs`` asks."""
+        v = self.graph.values[value]
+        if v.kind in ("param", "buffer"):
+            return self._provide_param(value, needs, node)
+        src = self.held[value]
+        key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
+        if key in self.cache:
+            return {d: self.cache[key][1] for d in needs}
+        meta = v.meta
+        der = derive(meta.shape, src, needs)
+        if not der.steps:
+            names = {d: self.local[(value, d)] for d in needs}
+            return names
+        current = {d: self.local.get((value, d), value) for d in src}
+        for step in der.steps:
+            self.counter += 1
+            new = f"{value}_{name_of(step)}{self.counter}"
+            for d in sorted(devices_of(step)):
+                self._group_ids(step)
+                self.programs[d].instrs.append(Comm(step, value, current.get(d, value), new,
+                                                    f"{name_of(step)} for {node.name}"))
+                current[d] = new
+        self.cache[key] = (der.result, current[next(iter(needs))])
+        return {d: current[d] for d in needs}
+
+    def _provide_param(self, value: str, needs: dict[int, Need], node: Node) -> dict[int, str]:
+        """Parameters live where their first consumer needs them; later
+        consumers get communication like any tensor."""
+        v = self.graph.values[value]
+        if value not in self.param_needs:
+            self.param_needs[value] = {d: Piece(n.box) for d, n in needs.items()}
+            for d in needs:
+                self.local[(value, d)] = value
+            self.held[value] = self.param_needs[value]
+        der = derive(v.meta.shape, self.held[value], needs, defer_grad_sum=True)
+        if der.steps:
+            return self._provide(value + "", needs, node) if False else self._steps_for(value, der, needs, node)
+        if der.grad_groups:
+            prev = self.param_grad.get(value)
+            if prev is not None and set(prev) != set(der.grad_groups):
+                raise PlanError(Problem(
+                    obj=f"parameter {v.target}", value=f"read by {node.name} with gradient groups "
+                    f"{der.grad_groups}, earlier {prev}",
+                    rule="every reader of a replicated parameter sums its gradient over the same groups",
+                    fix="split the readers of a tied parameter the same way",
+                ))
+            self.param_grad[value] = der.grad_groups
+        elif value in self.param_grad and self.param_grad[value]:
+            raise PlanError(Problem(
+                obj=f"parameter {v.target}", value=f"read whole by {node.name}",
+                rule="every reader of a replicated parameter sums its gradient over the same groups",
+                fix="split the readers of a tied parameter the same way",
+            ))
+        else:
+            self.param_grad.setdefault(value, ())
+        return {d: self.local[(value, d)] for d in needs}
+
+    def _steps_for(self, value, der, needs, node) -> dict[int, str]:
+        current = {d: self.local.get((value, d), value) for d in self.held[value]}
+        for step in der.steps:
+            self.counter += 1
+            new = f"{value}_{name_of(step)}{self.counter}"
+            self._group_ids(step)
+            for d in sorted(devices_of(step)):
+                self.programs[d].instrs.append(Comm(step, value, current.get(d, value), new,
+                                                    f"{name_of(step)} for {node.name}"))
+                current[d] = new
+        self.param_grad.setdefault(value, ())
+        return {d: current[d] for d in needs}
+
+    def _group_ids(self, step) -> None:
+        for g in getattr(step, "groups", ()):
+            self.groups.setdefault(g, len(self.groups))
+
+    # ------------------------------------------------------------ finish
+    def _finish(self) -> None:
+        for name, held in self.param_needs.items():
+            v = self.graph.values[name]
+            for g in self.param_grad.get(name, ()):
+                self.groups.setdefault(g, len(self.groups))
+            for d, piece in held.items():
+                groups = tuple(g for g in self.param_grad.get(name, ()) if d in g)
+                self.programs[d].params.append(ParamSlot(
+                    name, v.target, piece.box, v.meta.shape, v.requires_grad,
+                    v.kind == "buffer", groups))
+        loss = self.graph.loss
+        if loss is not None:
+            held = self.held[loss]
+            for d, piece in held.items():
+                prog = self.programs[d]
+                prog.loss = self.local[(loss, d)]
+                prog.loss_partial = piece.partial
+                if piece.is_partial:
+                    group = tuple(sorted(e for e, q in held.items() if q.box == piece.box))
+                    prog.loss_group = group
+                    self.groups.setdefault(group, len(self.groups))
+        ordered = sorted(self.groups, key=self.groups.get)
+        for prog in self.programs:
+            prog.groups = ordered
+            _insert_frees(prog)
+
+
+def _insert_frees(prog: Program) -> None:
+    """``del`` each local tensor after its last use (keeps peak memory honest)."""
+    last: dict[str, int] = {}
+    keep = {prog.loss} | {p.local for p in prog.params} | {i.local for i in prog.inputs}
+    for i, ins in enumerate(prog.instrs):
+        used: list[Any] = []
+        if isinstance(ins, Compute):
+            used = [x.name for x in pytree.tree_leaves((ins.args, ins.kwargs)) if isinstance(x, LocalRef)]
+        elif isinstance(ins, Comm):
+            used = [ins.src]
+        for u in used:
+            last[u] = i
+    frees: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            frees.setdefault(i, []).append(name)
+    out = []
+    for i, ins in enumerate(prog.instrs):
+        out.append(ins)
+        if i in frees:
+            out.append(Free(tuple(sorted(frees[i]))))
+    prog.instrs = out
+
+
+def lower(graph: Graph, plan: Plan) -> list[Program]:
+    """Validate ``plan`` and lower it to one Program per rank."""
+    validate(plan, graph)
+    return Lowering(graph, plan).run()

@@ -1,0 +1,189 @@
+"""A parallel plan: op-trans, op-assign and op-order decisions, as plain data.
+
+- **op-trans** ``split(node, dim, parts)`` / ``replicate(node, times)``: a node's
+  pieces are the product of its transforms, indexed row-major
+  (``piece = (i0, i1, …)``, one index per transform, in order).
+- **op-assign** ``assign(node, piece, device)``: where each piece runs. Two
+  pieces of a node on one device run one after the other (co-shard).
+- **op-order** ``order(a, b)``: piece ``a`` runs before piece ``b`` on their device.
+
+Built-in policies, user policies and the search all build this one type. It
+prints as a table, round-trips through versioned JSON and is validated before
+anything runs (:mod:`torchweave.plan.validate`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from torchweave.plan.layout import Mesh
+
+VERSION = 1
+PieceIndex = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Trans:
+    """op-trans: split ``node`` along ``dim`` into ``parts``; ``dim=None`` replicates."""
+
+    node: str
+    dim: str | None
+    parts: int
+
+    def __str__(self) -> str:
+        return f"{self.dim}/{self.parts}" if self.dim else f"R×{self.parts}"
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    node: str
+    piece: PieceIndex
+
+    def __str__(self) -> str:
+        return f"{self.node}{list(self.piece)}"
+
+
+@dataclass(frozen=True)
+class Order:
+    """op-order: ``before`` runs before ``after`` on their device."""
+
+    before: PieceRef
+    after: PieceRef
+
+
+@dataclass
+class Plan:
+    """The decisions for one graph on ``world_size`` devices."""
+
+    world_size: int
+    name: str = "plan"
+    mesh: Mesh | None = None
+    """Names for device groups (``dp``, ``tp``); informative, for printing."""
+    trans: dict[str, list[Trans]] = field(default_factory=dict)
+    assignment: dict[str, list[int]] = field(default_factory=dict)
+    """node → device of each piece, in row-major piece order."""
+    orders: list[Order] = field(default_factory=list)
+    zero: int = 0
+    """ZeRO stage 0–3 for parameters replicated over ``zero_axis``."""
+    zero_axis: str | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+    """Free-form provenance: the policy and its arguments, the search's reasons."""
+
+    # ------------------------------------------------------------ primitives
+    def split(self, node: str, dim: str, parts: int) -> "Plan":
+        """op-trans: split ``node`` along annotated dimension ``dim``."""
+        self.trans.setdefault(node, []).append(Trans(node, dim, parts))
+        self.assignment.pop(node, None)
+        return self
+
+    def replicate(self, node: str, times: int) -> "Plan":
+        """op-trans: replicate ``node`` ``times`` times."""
+        self.trans.setdefault(node, []).append(Trans(node, None, times))
+        self.assignment.pop(node, None)
+        return self
+
+    def assign(self, node: str, piece: PieceIndex, device: int) -> "Plan":
+        """op-assign: run ``piece`` of ``node`` on ``device``."""
+        n = self.num_pieces(node)
+        devices = self.assignment.setdefault(node, [-1] * n)
+        devices[self.flat(node, piece)] = device
+        return self
+
+    def assign_all(self, node: str, devices: list[int]) -> "Plan":
+        """op-assign for every piece of ``node`` at once, in row-major order."""
+        self.assignment[node] = list(devices)
+        return self
+
+    def order(self, before: PieceRef, after: PieceRef) -> "Plan":
+        """op-order: ``before`` runs before ``after``."""
+        self.orders.append(Order(before, after))
+        return self
+
+    # ------------------------------------------------------------ queries
+    def transforms(self, node: str) -> list[Trans]:
+        return self.trans.get(node, [])
+
+    def num_pieces(self, node: str) -> int:
+        return math.prod(t.parts for t in self.transforms(node))
+
+    def pieces(self, node: str) -> Iterator[PieceIndex]:
+        return itertools.product(*(range(t.parts) for t in self.transforms(node)))
+
+    def flat(self, node: str, piece: PieceIndex) -> int:
+        i = 0
+        for t, k in zip(self.transforms(node), piece):
+            i = i * t.parts + k
+        return i
+
+    def device_of(self, node: str, piece: PieceIndex) -> int:
+        return self.assignment[node][self.flat(node, piece)]
+
+    def pieces_on(self, node: str, device: int) -> list[PieceIndex]:
+        return [p for p in self.pieces(node) if self.device_of(node, p) == device]
+
+    # ------------------------------------------------------------ data
+    def to_json(self) -> str:
+        data: dict[str, Any] = {
+            "version": VERSION,
+            "name": self.name,
+            "world_size": self.world_size,
+            "mesh": [list(a) for a in self.mesh.axes] if self.mesh else None,
+            "trans": {n: [[t.dim, t.parts] for t in ts] for n, ts in self.trans.items()},
+            "assign": self.assignment,
+            "order": [[[o.before.node, list(o.before.piece)], [o.after.node, list(o.after.piece)]]
+                      for o in self.orders],
+            "zero": self.zero,
+            "zero_axis": self.zero_axis,
+            "notes": self.notes,
+        }
+        return json.dumps(data, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        from torchweave.errors import Problem, TorchweaveError
+
+        data = json.loads(text)
+        if data.get("version") != VERSION:
+            raise TorchweaveError(Problem(
+                obj="plan JSON", value=f"version {data.get('version')!r}",
+                rule=f"this torchweave reads plan version {VERSION}",
+                fix="re-create the plan with this version of torchweave",
+            ))
+        plan = Plan(
+            world_size=int(data["world_size"]), name=data.get("name", "plan"),
+            mesh=Mesh(tuple((a, int(n)) for a, n in data["mesh"])) if data.get("mesh") else None,
+            zero=int(data.get("zero", 0)), zero_axis=data.get("zero_axis"),
+            notes=dict(data.get("notes", {})),
+        )
+        for node, ts in data["trans"].items():
+            plan.trans[node] = [Trans(node, d, int(p)) for d, p in ts]
+        plan.assignment = {n: [int(d) for d in ds] for n, ds in data["assign"].items()}
+        plan.orders = [Order(PieceRef(a[0], tuple(a[1])), PieceRef(b[0], tuple(b[1])))
+                       for a, b in data.get("order", [])]
+        return plan
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self.to_json() == other.to_json()
+
+    def diff(self, other: "Plan") -> list[str]:
+        """Human-readable differences, one line per node that changed."""
+        out = []
+        for node in sorted(set(self.trans) | set(other.trans) | set(self.assignment)
+                           | set(other.assignment)):
+            a = (self.transforms(node), self.assignment.get(node))
+            b = (other.transforms(node), other.assignment.get(node))
+            if a != b:
+                out.append(f"{node}: {_fmt(*a)}  →  {_fmt(*b)}")
+        for attr in ("world_size", "zero", "zero_axis"):
+            if getattr(self, attr) != getattr(other, attr):
+                out.append(f"{attr}: {getattr(self, attr)}  →  {getattr(other, attr)}")
+        return out
+
+
+def _fmt(trans: list[Trans], devices: list[int] | None) -> str:
+    t = " ".join(map(str, trans)) or "whole"
+    return f"{t} on {devices}"

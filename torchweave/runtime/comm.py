@@ -1,0 +1,318 @@
+"""Autograd-aware collectives over a group of global ranks.
+
+Each function takes this rank's local tensor and returns a new local tensor.
+A group is a tuple of global ranks; its members are ordered by sorted global
+rank, and member ``i`` holds chunk ``i`` along a split axis.
+
+Gradients follow the R-grad convention: a tensor replicated on a group holds
+identical, full gradients on every member; each piece of a partial sum
+receives the full gradient of the sum. So the duals are:
+
+=================  =====================  ==============================
+function           forward                backward
+=================  =====================  ==============================
+all_reduce         sum (P -> R)           identity, or all-reduce
+all_gather         concat (S -> R)        own slice, or reduce-scatter
+reduce_scatter     sum, own chunk (P->S)  all-gather
+split              own chunk (R -> S)     all-gather
+all_to_all         S(a) -> S(b)           all-to-all S(b) -> S(a)
+grad_all_reduce    identity               all-reduce
+grad_scale         identity               times factor
+=================  =====================  ==============================
+
+The same code runs on gloo (CPU) and NCCL (GPU): buffers follow the input's
+device, and every buffer handed to a collective is contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.runtime.counter import CommKind, Direction
+from torchweave.runtime.groups import GroupCache
+
+# torch 2.13 deprecates the *_into_tensor / *_tensor names; older releases lack *_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+FWD, BWD = Direction.FORWARD, Direction.BACKWARD
+
+
+class CommError(TorchweaveError):
+    """A collective called with arguments that cannot work."""
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A resolved group: ranks, process group, this rank's index."""
+
+    gc: GroupCache
+    ranks: tuple[int, ...]
+    pg: dist.ProcessGroup
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def record(self, kind: CommKind, direction: Direction, x: torch.Tensor) -> None:
+        self.gc.counter.record(kind, direction, self.ranks, x.numel() * x.element_size())
+
+
+def _resolve(gc: GroupCache, group: Sequence[int], op: str) -> _Group:
+    ranks = gc.normalize(group)
+    if gc.rank not in ranks:
+        raise CommError(Problem(
+            obj=f"{op} on group {ranks}", value=f"called on rank {gc.rank}",
+            rule="only members of a group may call its collectives",
+            fix="call it only on the ranks in the group"))
+    return _Group(gc, ranks, gc.get(ranks), ranks.index(gc.rank))
+
+
+def _axis(x: torch.Tensor, axis: int, op: str) -> int:
+    if x.dim() == 0 or not -x.dim() <= axis < x.dim():
+        raise CommError(Problem(obj=f"{op} axis", value=str(axis),
+                                rule=f"axis must index a tensor of shape {tuple(x.shape)}"))
+    return axis % x.dim()
+
+
+def _check_divisible(x: torch.Tensor, axis: int, g: _Group, op: str) -> None:
+    if x.shape[axis] % g.size:
+        raise CommError(Problem(
+            obj=f"{op} on group {g.ranks}",
+            value=f"shape {tuple(x.shape)}, axis {axis} of size {x.shape[axis]}",
+            rule=f"the axis size must divide evenly by the group size {g.size}",
+            fix="pad the tensor, or use exchange() for an uneven layout"))
+
+
+# ---- raw collectives (no autograd), used by forward and backward alike ----
+
+def _raw_all_reduce(g: _Group, x: torch.Tensor, d: Direction) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    g.record(CommKind.ALL_REDUCE, d, out)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=g.pg)
+    return out
+
+
+def _raw_all_gather(g: _Group, x: torch.Tensor, axis: int, d: Direction) -> torch.Tensor:
+    front = x.movedim(axis, 0).contiguous()
+    out = front.new_empty((g.size * front.shape[0], *front.shape[1:]))
+    g.record(CommKind.ALL_GATHER, d, front)
+    _all_gather_single(out, front, group=g.pg)
+    return out.movedim(0, axis)
+
+
+def _raw_reduce_scatter(g: _Group, x: torch.Tensor, axis: int, d: Direction) -> torch.Tensor:
+    front = x.movedim(axis, 0).contiguous()
+    out = front.new_empty((front.shape[0] // g.size, *front.shape[1:]))
+    g.record(CommKind.REDUCE_SCATTER, d, front)
+    _reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=g.pg)
+    return out.movedim(0, axis)
+
+
+def _raw_all_to_all(g: _Group, x: torch.Tensor, split_axis: int, cat_axis: int,
+                    d: Direction) -> torch.Tensor:
+    n = g.size
+    front = x.movedim(split_axis, 0)
+    send = front.reshape(n, front.shape[0] // n, *front.shape[1:]).contiguous()
+    recv = torch.empty_like(send)
+    g.record(CommKind.ALL_TO_ALL, d, send)
+    dist.all_to_all_single(recv, send, group=g.pg)
+    # recv[i] is member i's chunk (split axis in front); restore the chunk's
+    # axis order, then merge the member axis into cat_axis (member-major).
+    chunks = recv.movedim(1, split_axis + 1)
+    merged = chunks.movedim(0, cat_axis)
+    shape = list(chunks.shape[1:])
+    shape[cat_axis] *= n
+    return merged.reshape(shape)
+
+
+def _own_chunk(g: _Group, x: torch.Tensor, axis: int) -> torch.Tensor:
+    size = x.shape[axis] // g.size
+    return x.narrow(axis, g.index * size, size).contiguous()
+
+
+# ---- autograd functions ----
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: _Group, bwd_reduce: bool):
+        ctx.g, ctx.bwd_reduce = g, bwd_reduce
+        return _raw_all_reduce(g, x, FWD)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return (_raw_all_reduce(ctx.g, dy, BWD) if ctx.bwd_reduce else dy), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: _Group, axis: int, bwd_reduce: bool):
+        ctx.g, ctx.axis, ctx.bwd_reduce = g, axis, bwd_reduce
+        return _raw_all_gather(g, x, axis, FWD)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        g, axis = ctx.g, ctx.axis
+        dx = _raw_reduce_scatter(g, dy, axis, BWD) if ctx.bwd_reduce else _own_chunk(g, dy, axis)
+        return dx, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: _Group, axis: int):
+        ctx.g, ctx.axis = g, axis
+        return _raw_reduce_scatter(g, x, axis, FWD)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return _raw_all_gather(ctx.g, dy, ctx.axis, BWD), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: _Group, axis: int):
+        ctx.g, ctx.axis = g, axis
+        return _own_chunk(g, x, axis)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return _raw_all_gather(ctx.g, dy, ctx.axis, BWD), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: _Group, split_axis: int, cat_axis: int):
+        ctx.g, ctx.split_axis, ctx.cat_axis = g, split_axis, cat_axis
+        return _raw_all_to_all(g, x, split_axis, cat_axis, FWD)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return _raw_all_to_all(ctx.g, dy, ctx.cat_axis, ctx.split_axis, BWD), None, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: _Group):
+        ctx.g = g
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return _raw_all_reduce(ctx.g, dy, BWD), None
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        return dy * ctx.factor, None
+
+
+# ---- public API ----
+
+def all_reduce(gc: GroupCache, x: torch.Tensor, group: Sequence[int], *,
+               bwd: Literal["identity", "all_reduce"] = "identity") -> torch.Tensor:
+    """Sum over the group (P -> R). ``bwd``: identity (R-grad), or all-reduce."""
+    _check_choice("all_reduce bwd", bwd, ("identity", "all_reduce"))
+    return _AllReduce.apply(x, _resolve(gc, group, "all_reduce"), bwd == "all_reduce")
+
+
+def all_gather(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int, *,
+               bwd: Literal["slice", "reduce_scatter"] = "slice") -> torch.Tensor:
+    """Concatenate members' pieces along ``axis`` (S -> R). ``bwd``: own slice, or reduce-scatter."""
+    _check_choice("all_gather bwd", bwd, ("slice", "reduce_scatter"))
+    g = _resolve(gc, group, "all_gather")
+    return _AllGather.apply(x, g, _axis(x, axis, "all_gather"), bwd == "reduce_scatter")
+
+
+def reduce_scatter(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int) -> torch.Tensor:
+    """Sum over the group and keep this member's chunk along ``axis`` (P -> S)."""
+    g = _resolve(gc, group, "reduce_scatter")
+    axis = _axis(x, axis, "reduce_scatter")
+    _check_divisible(x, axis, g, "reduce_scatter")
+    return _ReduceScatter.apply(x, g, axis)
+
+
+def split(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int) -> torch.Tensor:
+    """Keep this member's chunk along ``axis`` (R -> S); no communication forward."""
+    g = _resolve(gc, group, "split")
+    axis = _axis(x, axis, "split")
+    _check_divisible(x, axis, g, "split")
+    return _Split.apply(x, g, axis)
+
+
+def all_to_all(gc: GroupCache, x: torch.Tensor, group: Sequence[int], split_axis: int,
+               cat_axis: int) -> torch.Tensor:
+    """Send chunk j along ``split_axis`` to member j; concatenate what arrives along ``cat_axis``."""
+    g = _resolve(gc, group, "all_to_all")
+    split_axis = _axis(x, split_axis, "all_to_all")
+    cat_axis = _axis(x, cat_axis, "all_to_all")
+    _check_divisible(x, split_axis, g, "all_to_all")
+    return _AllToAll.apply(x, g, split_axis, cat_axis)
+
+
+def grad_all_reduce(gc: GroupCache, x: torch.Tensor, group: Sequence[int]) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (Megatron's ``f``)."""
+    return _GradAllReduce.apply(x, _resolve(gc, group, "grad_all_reduce"))
+
+
+def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity forward; the gradient times ``factor`` backward."""
+    return _GradScale.apply(x, factor)
+
+
+def exchange(gc: GroupCache, sends: Sequence[tuple[int, torch.Tensor]],
+             recv_specs: Sequence[tuple[int, Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+    """Point-to-point transfers for irregular layouts; not differentiable.
+
+    ``sends`` is ``[(dst_rank, tensor)]``; ``recv_specs`` is
+    ``[(src_rank, shape, dtype)]``. Returns the received tensors, in the order
+    of ``recv_specs``, on ``gc.device``. Several transfers between one pair of
+    ranks match in the order they are listed on both sides.
+    """
+    peers = [dst for dst, _ in sends] + [src for src, _, _ in recv_specs]
+    bad = [p for p in peers if not isinstance(p, int) or not 0 <= p < gc.world_size or p == gc.rank]
+    if bad:
+        raise CommError(Problem(
+            obj=f"exchange on rank {gc.rank}", value=f"peers {bad}",
+            rule=f"peers are other ranks in [0, world_size={gc.world_size})",
+            fix="keep pieces that stay on this rank out of the exchange"))
+    ops, received, nbytes = [], [], 0
+    for dst, t in sends:
+        t = t.detach().contiguous()
+        nbytes += t.numel() * t.element_size()
+        ops.append(dist.P2POp(dist.isend, t, peer=dst))
+    for src, shape, dtype in recv_specs:
+        buf = torch.empty(tuple(shape), dtype=dtype, device=gc.device)
+        received.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, peer=src))
+    if not ops:
+        return received
+    gc.counter.record(CommKind.P2P, FWD, gc.world, nbytes)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise CommError(Problem(obj=what, value=repr(value), rule=f"one of {allowed}"))

@@ -1,0 +1,280 @@
+"""Starting ranks: local processes (``spawn``) or under torchrun (``init_from_env``).
+
+``spawn`` hosts the rendezvous store in the parent, starts one process per
+rank, and returns each rank's return value. Each rank writes its result, or
+its traceback, to a file in a temporary folder before it tears down; so a
+rank that crashes during teardown, after its result is written, does not fail
+the run (gloo aborts one rank in about twenty at exit; see PLATFORM.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.runtime.groups import GroupCache
+
+_POLL_S = 0.02
+
+
+class LaunchError(TorchweaveError):
+    """A launch that cannot start, or a rank that failed."""
+
+
+class RankFailedError(LaunchError):
+    """A rank raised or died; the other ranks were terminated."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        """Traceback text (or exit description) per failed rank, first failure first."""
+        self.rank = next(iter(failures))
+        """The rank that failed first."""
+        self.traceback = failures[self.rank]
+        problems = [Problem(obj=f"rank {r}", value=_last_line(text),
+                            rule="a rank raised or died, so every rank was stopped",
+                            fix="see the traceback of the first failing rank above")
+                    for r, text in failures.items()]
+        super().__init__(problems, header=f"rank {self.rank} failed first:\n{self.traceback}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How to start the ranks of one job."""
+
+    world_size: int
+    """Number of ranks."""
+    backend: Literal["gloo", "nccl", "auto"] = "auto"
+    """Process-group backend; ``auto`` is nccl when CUDA is available, else gloo."""
+    timeout_s: float = 60.0
+    """Time-out of every collective and of the rendezvous, in seconds."""
+    threads_per_rank: int | None = None
+    """torch threads per rank; ``None`` shares the CPU cores evenly (at least 1)."""
+    master_addr: str = "127.0.0.1"
+    """Address of the rendezvous store."""
+    master_port: int | None = None
+    """Port of the rendezvous store; ``None`` lets the OS pick a free one."""
+    teardown_grace_s: float = 10.0
+    """Seconds ranks get to exit after all results are in; stragglers are killed."""
+
+    def __post_init__(self) -> None:
+        problems = []
+
+        def bad(name: str, rule: str, fix: str = "") -> None:
+            value = getattr(self, name)
+            problems.append(Problem(obj=f"LaunchConfig.{name}", value=repr(value), rule=rule, fix=fix))
+
+        if not _is_int(self.world_size) or self.world_size < 1:
+            bad("world_size", "must be an int >= 1")
+        if self.backend not in ("gloo", "nccl", "auto"):
+            bad("backend", "must be 'gloo', 'nccl' or 'auto'", "use 'auto' to pick by device")
+        if not _is_positive(self.timeout_s):
+            bad("timeout_s", "must be a finite number > 0", "use e.g. 60.0; tests use about 5.0")
+        if self.threads_per_rank is not None and (
+                not _is_int(self.threads_per_rank) or self.threads_per_rank < 1):
+            bad("threads_per_rank", "must be None or an int >= 1")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            bad("master_addr", "must be a non-empty host name or address")
+        if self.master_port is not None and (
+                not _is_int(self.master_port) or not 1 <= self.master_port <= 65535):
+            bad("master_port", "must be None or an int in [1, 65535]", "use None to pick a free port")
+        if not _is_positive(self.teardown_grace_s, allow_zero=True):
+            bad("teardown_grace_s", "must be a finite number >= 0")
+        if problems:
+            raise LaunchError(problems, header="invalid LaunchConfig")
+
+    def resolved_backend(self) -> Literal["gloo", "nccl"]:
+        if self.backend == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return self.backend
+
+    def resolved_threads(self) -> int:
+        if self.threads_per_rank is not None:
+            return self.threads_per_rank
+        return max(1, (os.cpu_count() or 1) // self.world_size)
+
+
+@dataclass(kw_only=True)
+class RankContext:
+    """What a rank's program knows about where it runs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    """cpu for gloo, cuda:local_rank for nccl."""
+    timeout_s: float
+    groups: GroupCache
+
+    def close(self) -> None:
+        """Wait for every rank, then destroy the process group."""
+        if not dist.is_initialized():
+            return
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], config: LaunchConfig, *args: Any) -> list[Any]:
+    """Run ``fn(rank_context, *args)`` on ``config.world_size`` local processes.
+
+    ``fn`` and ``args`` must be picklable (``fn`` defined at module level).
+    Returns the ranks' return values, indexed by rank. If a rank raises or
+    dies, every other rank is terminated and :class:`RankFailedError` names
+    the rank and carries its traceback.
+    """
+    backend = config.resolved_backend()
+    if backend == "nccl" and torch.cuda.device_count() < config.world_size:
+        raise LaunchError(Problem(
+            obj="LaunchConfig.world_size", value=str(config.world_size),
+            rule=f"nccl needs one GPU per local rank; {torch.cuda.device_count()} visible",
+            fix="lower world_size, or use backend='gloo'"))
+    store = dist.TCPStore(config.master_addr, config.master_port or 0, is_master=True,
+                          timeout=timedelta(seconds=config.timeout_s), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="torchweave-spawn-") as tmp:
+        out_dir = Path(tmp)
+        procs = [ctx.Process(target=_run_rank, name=f"torchweave-rank{r}",
+                             args=(r, fn, config, backend, store.port, out_dir, args))
+                 for r in range(config.world_size)]
+        try:
+            for p in procs:
+                p.start()
+            return _collect(procs, out_dir, config)
+        finally:
+            _stop(procs)
+            del store
+
+
+def init_from_env(config: LaunchConfig) -> RankContext:
+    """Join the process group of a job started by torchrun.
+
+    This is the one place torchweave reads environment variables: torchrun
+    sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each
+    rank (``env://`` reads the last two).
+    """
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    missing = [k for k, v in env.items() if v is None]
+    if missing:
+        raise LaunchError(Problem(obj="environment", value=f"{', '.join(missing)} not set",
+                                  rule="init_from_env runs only under torchrun",
+                                  fix="start with `torchrun --nproc-per-node N ...`, or use spawn()"))
+    world_size = int(env["WORLD_SIZE"])
+    if world_size != config.world_size:
+        raise LaunchError(Problem(obj="LaunchConfig.world_size", value=str(config.world_size),
+                                  rule=f"must equal torchrun's WORLD_SIZE ({world_size})",
+                                  fix=f"set world_size={world_size}"))
+    return _init_rank(rank=int(env["RANK"]), local_rank=int(env["LOCAL_RANK"]), config=config,
+                      backend=config.resolved_backend(), store=None)
+
+
+def _init_rank(*, rank: int, local_rank: int, config: LaunchConfig, backend: str,
+               store: dist.Store | None) -> RankContext:
+    torch.set_num_threads(config.resolved_threads())
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=config.timeout_s)
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank,
+                                world_size=config.world_size, timeout=timeout)
+    groups = GroupCache(rank=rank, world_size=config.world_size, timeout_s=config.timeout_s,
+                        device=device)
+    return RankContext(rank=rank, world_size=config.world_size, local_rank=local_rank,
+                       device=device, timeout_s=config.timeout_s, groups=groups)
+
+
+def _run_rank(rank: int, fn: Callable[..., Any], config: LaunchConfig, backend: str,
+              port: int, out_dir: Path, args: tuple) -> None:
+    """Body of one spawned rank: result file first, teardown after."""
+    try:
+        store = dist.TCPStore(config.master_addr, port, is_master=False,
+                              timeout=timedelta(seconds=config.timeout_s))
+        ctx = _init_rank(rank=rank, local_rank=rank, config=config, backend=backend, store=store)
+        payload = pickle.dumps(("ok", fn(ctx, *args), time.time()))
+    except BaseException:  # noqa: BLE001 - every failure goes to the parent
+        _write(out_dir, rank, pickle.dumps(("err", traceback.format_exc(), time.time())))
+        os._exit(1)  # skip teardown: the parent stops the other ranks
+    _write(out_dir, rank, payload)
+    ctx.close()
+
+
+def _write(out_dir: Path, rank: int, payload: bytes) -> None:
+    tmp = out_dir / f"{rank}.tmp"
+    tmp.write_bytes(payload)
+    os.replace(tmp, out_dir / f"{rank}.pkl")  # atomic: the parent never sees half a file
+
+
+def _collect(procs: list, out_dir: Path, config: LaunchConfig) -> list[Any]:
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[float, str]] = {}
+    while True:
+        for r, p in enumerate(procs):
+            if r in results or r in failures:
+                continue
+            path = out_dir / f"{r}.pkl"
+            if path.exists():
+                status, value, when = pickle.loads(path.read_bytes())
+                if status == "ok":
+                    results[r] = value
+                else:
+                    failures[r] = (when, value)
+            elif not p.is_alive() and not path.exists():
+                failures[r] = (time.time(), f"exited with code {p.exitcode} before returning a result")
+        if failures:
+            # A failure makes peers fail a moment later ("connection closed");
+            # sorting by time puts the cause first.
+            first = sorted(failures.items(), key=lambda kv: kv[1][0])
+            raise RankFailedError({r: text for r, (_, text) in first})
+        if len(results) == len(procs):
+            deadline = time.monotonic() + config.teardown_grace_s
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            return [results[r] for r in range(len(procs))]
+        time.sleep(_POLL_S)
+
+
+def _stop(procs: list) -> None:
+    """Terminate ranks still running, then kill any that ignore it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_positive(v: object, *, allow_zero: bool = False) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return v >= 0 if allow_zero else v > 0
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
