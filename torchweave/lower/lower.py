@@ -77,8 +77,6 @@ class Lowering:
             ))
         refs = node.input_refs()
         specs = bound.annotation.inputs
-        for ref, spec_i in zip(dict.fromkeys(r.name for r in refs), [None] * len(refs)):
-            del spec_i
         local_inputs: dict[tuple[int, int], str] = {}
         for k, (ref, tspec) in enumerate(zip(refs, specs)):
             meta = self.graph.values[ref.name].meta
@@ -99,6 +97,7 @@ class Lowering:
             comment = self._comment(bound, outs, p)
             self.programs[d].instrs.append(Compute(node.name, fn, args, kwargs, names,
                                                    node.output_structure, comment))
+            self._mean_to_sum(spec, bound, outs, node, p, d)
         for j, (out, meta) in enumerate(zip(node.outputs, outs)):
             if not out:
                 continue
@@ -107,6 +106,17 @@ class Lowering:
             for d in by_device:
                 self.local[(out, d)] = out
             self.layouts[out] = Layout.of(meta.shape, self.held[out])
+
+    def _mean_to_sum(self, spec, bound, outs, node: Node, p: PieceInfo, d: int) -> None:
+        """A split mean gives partial means; scale them into partial sums."""
+        if spec is None or spec.partial != "avg":
+            return
+        for j, (out, meta) in enumerate(zip(node.outputs, outs)):
+            count = output_piece(bound, bound.annotation.outputs[j], meta.shape, p).partial[1]
+            if out and count > 1:
+                self.programs[d].instrs.append(Compute(
+                    node.name, "aten.div.Scalar", (LocalRef(out), count), {}, (out,), "single",
+                    f"partial mean → partial sum over {count} pieces"))
 
     def _comment(self, bound, outs, p: PieceInfo) -> str:
         if not outs:
@@ -154,7 +164,7 @@ class Lowering:
             self.held[value] = self.param_needs[value]
         der = derive(v.meta.shape, self.held[value], needs, defer_grad_sum=True)
         if der.steps:
-            return self._provide(value + "", needs, node) if False else self._steps_for(value, der, needs, node)
+            return self._steps_for(value, der, needs, node)
         if der.grad_groups:
             prev = self.param_grad.get(value)
             if prev is not None and set(prev) != set(der.grad_groups):
@@ -200,9 +210,10 @@ class Lowering:
                 self.groups.setdefault(g, len(self.groups))
             for d, piece in held.items():
                 groups = tuple(g for g in self.param_grad.get(name, ()) if d in g)
+                replicas = sum(1 for q in held.values() if q.box == piece.box)
                 self.programs[d].params.append(ParamSlot(
                     name, v.target, piece.box, v.meta.shape, v.requires_grad,
-                    v.kind == "buffer", groups))
+                    v.kind == "buffer", groups, replicas))
         loss = self.graph.loss
         if loss is not None:
             held = self.held[loss]

@@ -63,6 +63,8 @@ class ParamSlot:
     is_buffer: bool = False
     grad_groups: tuple[Group, ...] = ()
     """Groups over which this piece's gradient is summed after backward."""
+    replicas: int = 1
+    """How many ranks hold this same piece (for global norms)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 Range = tuple[int, int]
+Box = tuple[Range, ...]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ all_reduce         sum (P -> R)           identity, or all-reduce
 all_gather         concat (S -> R)        own slice, or reduce-scatter
 reduce_scatter     sum, own chunk (P->S)  all-gather
 split              own chunk (R -> S)     all-gather
-all_to_all         S(a) -> S(b)           all-to-all S(b) -> S(a)
+all_to_all         S(cat) -> S(split)     all-to-all S(split) -> S(cat)
 grad_all_reduce    identity               all-reduce
 grad_scale         identity               times factor
 =================  =====================  ==============================
@@ -238,13 +238,17 @@ def all_reduce(gc: GroupCache, x: torch.Tensor, group: Sequence[int], *,
 
 def all_gather(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int, *,
                bwd: Literal["slice", "reduce_scatter"] = "slice") -> torch.Tensor:
-    """Concatenate members' pieces along ``axis`` (S -> R). ``bwd``: own slice, or reduce-scatter."""
+    """Concatenate members' pieces along ``axis`` (S -> R).
+
+    ``bwd``: this member's slice of the gradient (R-grad), or reduce-scatter.
+    """
     _check_choice("all_gather bwd", bwd, ("slice", "reduce_scatter"))
     g = _resolve(gc, group, "all_gather")
     return _AllGather.apply(x, g, _axis(x, axis, "all_gather"), bwd == "reduce_scatter")
 
 
-def reduce_scatter(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int) -> torch.Tensor:
+def reduce_scatter(gc: GroupCache, x: torch.Tensor, group: Sequence[int],
+                   axis: int) -> torch.Tensor:
     """Sum over the group and keep this member's chunk along ``axis`` (P -> S)."""
     g = _resolve(gc, group, "reduce_scatter")
     axis = _axis(x, axis, "reduce_scatter")
@@ -262,7 +266,11 @@ def split(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int) -> t
 
 def all_to_all(gc: GroupCache, x: torch.Tensor, group: Sequence[int], split_axis: int,
                cat_axis: int) -> torch.Tensor:
-    """Send chunk j along ``split_axis`` to member j; concatenate what arrives along ``cat_axis``."""
+    """Send chunk j along ``split_axis`` to member j; concatenate what arrives along ``cat_axis``.
+
+    On a tensor sharded along ``cat_axis`` (S(cat)), this reshards it along
+    ``split_axis`` (S(split)).
+    """
     g = _resolve(gc, group, "all_to_all")
     split_axis = _axis(x, split_axis, "all_to_all")
     cat_axis = _axis(x, cat_axis, "all_to_all")

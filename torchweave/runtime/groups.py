@@ -44,7 +44,8 @@ class GroupCache:
         """The group as a sorted tuple; raises if a rank is out of range or repeated."""
         problems = []
         if len(ranks) == 0:
-            problems.append(Problem(obj="group ()", value="empty", rule="a group needs at least one rank"))
+            problems.append(Problem(obj="group ()", value="empty",
+                                    rule="a group needs at least one rank"))
         bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool)
                or not 0 <= r < self.world_size]
         if bad:
@@ -82,4 +83,5 @@ class GroupCache:
         return self._groups[key]
 
     def __repr__(self) -> str:
-        return f"GroupCache(rank={self.rank}, world_size={self.world_size}, groups={list(self._groups)})"
+        return (f"GroupCache(rank={self.rank}, world_size={self.world_size}, "
+                f"groups={list(self._groups)})")

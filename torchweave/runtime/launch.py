@@ -38,16 +38,16 @@ class LaunchError(TorchweaveError):
 class RankFailedError(LaunchError):
     """A rank raised or died; the other ranks were terminated."""
 
-    def __init__(self, failures: dict[int, str]):
-        self.failures = failures
+    def __init__(self, failures: dict[int, tuple[str, str]]):
+        self.failures = {r: text for r, (_, text) in failures.items()}
         """Traceback text (or exit description) per failed rank, first failure first."""
         self.rank = next(iter(failures))
         """The rank that failed first."""
-        self.traceback = failures[self.rank]
-        problems = [Problem(obj=f"rank {r}", value=_last_line(text),
+        self.traceback = self.failures[self.rank]
+        problems = [Problem(obj=f"rank {r}", value=summary,
                             rule="a rank raised or died, so every rank was stopped",
                             fix="see the traceback of the first failing rank above")
-                    for r, text in failures.items()]
+                    for r, (summary, _) in failures.items()]
         super().__init__(problems, header=f"rank {self.rank} failed first:\n{self.traceback}")
 
 
@@ -75,7 +75,8 @@ class LaunchConfig:
 
         def bad(name: str, rule: str, fix: str = "") -> None:
             value = getattr(self, name)
-            problems.append(Problem(obj=f"LaunchConfig.{name}", value=repr(value), rule=rule, fix=fix))
+            problems.append(Problem(obj=f"LaunchConfig.{name}", value=repr(value), rule=rule,
+                                    fix=fix))
 
         if not _is_int(self.world_size) or self.world_size < 1:
             bad("world_size", "must be an int >= 1")
@@ -90,7 +91,8 @@ class LaunchConfig:
             bad("master_addr", "must be a non-empty host name or address")
         if self.master_port is not None and (
                 not _is_int(self.master_port) or not 1 <= self.master_port <= 65535):
-            bad("master_port", "must be None or an int in [1, 65535]", "use None to pick a free port")
+            bad("master_port", "must be None or an int in [1, 65535]",
+                "use None to pick a free port")
         if not _is_positive(self.teardown_grace_s, allow_zero=True):
             bad("teardown_grace_s", "must be a finite number >= 0")
         if problems:
@@ -173,7 +175,8 @@ def init_from_env(config: LaunchConfig) -> RankContext:
     if missing:
         raise LaunchError(Problem(obj="environment", value=f"{', '.join(missing)} not set",
                                   rule="init_from_env runs only under torchrun",
-                                  fix="start with `torchrun --nproc-per-node N ...`, or use spawn()"))
+                                  fix="start with `torchrun --nproc-per-node N ...`, "
+                                      "or use spawn()"))
     world_size = int(env["WORLD_SIZE"])
     if world_size != config.world_size:
         raise LaunchError(Problem(obj="LaunchConfig.world_size", value=str(config.world_size),
@@ -211,8 +214,9 @@ def _run_rank(rank: int, fn: Callable[..., Any], config: LaunchConfig, backend: 
                               timeout=timedelta(seconds=config.timeout_s))
         ctx = _init_rank(rank=rank, local_rank=rank, config=config, backend=backend, store=store)
         payload = pickle.dumps(("ok", fn(ctx, *args), time.time()))
-    except BaseException:  # noqa: BLE001 - every failure goes to the parent
-        _write(out_dir, rank, pickle.dumps(("err", traceback.format_exc(), time.time())))
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
+        summary = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        _write(out_dir, rank, pickle.dumps(("err", (summary, traceback.format_exc()), time.time())))
         os._exit(1)  # skip teardown: the parent stops the other ranks
     _write(out_dir, rank, payload)
     ctx.close()
@@ -226,7 +230,7 @@ def _write(out_dir: Path, rank: int, payload: bytes) -> None:
 
 def _collect(procs: list, out_dir: Path, config: LaunchConfig) -> list[Any]:
     results: dict[int, Any] = {}
-    failures: dict[int, tuple[float, str]] = {}
+    failures: dict[int, tuple[float, tuple[str, str]]] = {}
     while True:
         for r, p in enumerate(procs):
             if r in results or r in failures:
@@ -239,12 +243,13 @@ def _collect(procs: list, out_dir: Path, config: LaunchConfig) -> list[Any]:
                 else:
                     failures[r] = (when, value)
             elif not p.is_alive() and not path.exists():
-                failures[r] = (time.time(), f"exited with code {p.exitcode} before returning a result")
+                text = f"exited with code {p.exitcode} before returning a result"
+                failures[r] = (time.time(), (text, text))
         if failures:
             # A failure makes peers fail a moment later ("connection closed");
             # sorting by time puts the cause first.
             first = sorted(failures.items(), key=lambda kv: kv[1][0])
-            raise RankFailedError({r: text for r, (_, text) in first})
+            raise RankFailedError({r: info for r, (_, info) in first})
         if len(results) == len(procs):
             deadline = time.monotonic() + config.teardown_grace_s
             for p in procs:
@@ -274,7 +279,3 @@ def _is_positive(v: object, *, allow_zero: bool = False) -> bool:
         return False
     return v >= 0 if allow_zero else v > 0
 
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else text

@@ -1,0 +1,158 @@
+"""Program → one readable Python module per rank, in the style of nanoGPT.
+
+One operation per line, each with a shape and annotation comment, a header that
+names the plan, the rank and its groups. The runtime imports and runs exactly
+this code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program
+from torchweave.lower.steps import (
+    P2P, AllGather, AllReduce, AllToAll, GradAllReduce, Group, Narrow, ReduceScatter, Split,
+)
+
+
+def literal(x: Any) -> str:
+    """Python source for a constant argument."""
+    if isinstance(x, LocalRef):
+        return x.name
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if isinstance(x, torch.device):
+        return "rt.device"
+    if isinstance(x, (torch.layout, torch.memory_format)):
+        return str(x)
+    if isinstance(x, float):
+        if math.isinf(x):
+            return "float('inf')" if x > 0 else "float('-inf')"
+        if math.isnan(x):
+            return "float('nan')"
+        return repr(x)
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(literal(i) for i in x)
+        if isinstance(x, tuple):
+            return f"({inner},)" if len(x) == 1 else f"({inner})"
+        return f"[{inner}]"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {literal(v)}" for k, v in x.items()) + "}"
+    if x is None or isinstance(x, (bool, int, str)):
+        return repr(x)
+    raise TypeError(f"cannot render constant {x!r} of type {type(x).__name__}")
+
+
+def _callable(fn: str) -> str:
+    if fn.startswith("aten."):
+        return fn
+    if fn.count(".") >= 2 and fn.split(".")[0] not in ("torchweave",):
+        ns = fn.split(".")[0]
+        return f"torch.ops.{fn}" if ns != "aten" else fn
+    module, _, name = fn.rpartition(".")
+    return f"{module.replace('.', '_')}.{name}"
+
+
+def _imports(prog: Program) -> list[str]:
+    mods = set()
+    for ins in prog.computes():
+        fn = ins.fn
+        if fn.startswith("torchweave."):
+            mods.add(fn.rpartition(".")[0])
+    return [f"import {m} as {m.replace('.', '_')}" for m in sorted(mods)]
+
+
+def _group(prog: Program, groups: tuple[Group, ...]) -> str:
+    mine = next(g for g in groups if prog.rank in g)
+    return literal(mine)
+
+
+def _comm_line(prog: Program, c: Comm) -> str:
+    s, x, y = c.step, c.src, c.dst
+    if isinstance(s, AllReduce):
+        call = f"C.all_reduce(rt.gc, {x}, {_group(prog, s.groups)}, bwd={s.bwd!r})"
+    elif isinstance(s, ReduceScatter):
+        call = f"C.reduce_scatter(rt.gc, {x}, {_group(prog, s.groups)}, {s.axis})"
+    elif isinstance(s, AllGather):
+        call = f"C.all_gather(rt.gc, {x}, {_group(prog, s.groups)}, {s.axis}, bwd={s.bwd!r})"
+    elif isinstance(s, Split):
+        call = f"C.split(rt.gc, {x}, {_group(prog, s.groups)}, {s.axis})"
+    elif isinstance(s, AllToAll):
+        call = f"C.all_to_all(rt.gc, {x}, {_group(prog, s.groups)}, {s.split_axis}, {s.cat_axis})"
+    elif isinstance(s, GradAllReduce):
+        call = f"C.grad_all_reduce(rt.gc, {x}, {_group(prog, s.groups)})"
+    elif isinstance(s, Narrow):
+        box = dict(s.boxes)[prog.rank]
+        call = f"{x}[{', '.join(f'{a}:{b}' for a, b in box)}]"
+    elif isinstance(s, P2P):
+        call = f"P2P.p2p(rt, {x}, STEPS[{c.dst!r}])"
+    else:  # pragma: no cover - every step kind is listed above
+        raise TypeError(type(s).__name__)
+    return f"{y} = {call}"
+
+
+def render(prog: Program) -> str:
+    """The Python source of ``prog``."""
+    groups = ", ".join(f"g{i}={literal(g)}" for i, g in enumerate(prog.groups) if prog.rank in g)
+    lines = [
+        f'"""torchweave generated code: plan {prog.plan_name!r}, rank {prog.rank} of '
+        f'{prog.world_size}{", mesh " + prog.mesh if prog.mesh else ""}.',
+        "",
+        f"Groups with this rank: {groups or 'none'}.",
+        f"Parameters held: {len(prog.params)} pieces. Do not edit: regenerate from the plan.",
+        '"""',
+        "import torch",
+        "",
+        "from torchweave.runtime import comm as C",
+        "from torchweave.runtime import p2p as P2P",
+        *_imports(prog),
+        "",
+        "aten = torch.ops.aten",
+        "",
+    ]
+    p2p = {c.dst: c.step for c in prog.comms() if isinstance(c.step, P2P)}
+    lines.append(f"STEPS = {{{', '.join(f'{k!r}: {_p2p_literal(v)}' for k, v in p2p.items())}}}")
+    lines += ["", ""]
+    args = ", ".join(i.local for i in prog.inputs)
+    lines.append(f"def forward(rt, p, {args}):" if args else "def forward(rt, p):")
+    lines.append(f'    """This rank\'s pieces of the forward pass; returns its loss term."""')
+    for prm in prog.params:
+        box = ", ".join(f"{a}:{b}" for a, b in prm.box)
+        lines.append(f"    {prm.local} = p[{prm.path!r}]  # [{box}] of {tuple(prm.full_shape)}")
+    for ins in prog.instrs:
+        if isinstance(ins, Compute):
+            call = ", ".join([literal(a) for a in ins.args]
+                             + [f"{k}={literal(v)}" for k, v in ins.kwargs.items()])
+            outs = [o or "_" for o in ins.outputs]
+            lhs = outs[0] if ins.structure == "single" else ", ".join(outs) + ("," if len(outs) == 1 else "")
+            line = f"    {lhs} = {_callable(ins.fn)}({call})"
+            lines.append(f"{line}  # {ins.comment}" if ins.comment else line)
+        elif isinstance(ins, Comm):
+            lines.append(f"    {_comm_line(prog, ins)}  # {ins.comment}")
+        elif isinstance(ins, Free):
+            lines.append(f"    del {', '.join(ins.names)}")
+    lines.append(f"    return {prog.loss or 'None'}")
+    return "\n".join(lines) + "\n"
+
+
+def _p2p_literal(step: P2P) -> str:
+    return (f"dict(transfers={literal([tuple(t.__dict__.values()) for t in step.transfers])}, "
+            f"shapes={literal(step.shapes)}, "
+            f"grad_back={literal([tuple(t.__dict__.values()) for t in step.grad_back])}, "
+            f"grad_scale={literal(step.grad_scale)})")
+
+
+def write(programs: list[Program], directory: str) -> list[str]:
+    """Write ``rank{r}.py`` for each program into ``directory``; return the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for prog in programs:
+        path = os.path.join(directory, f"rank{prog.rank}.py")
+        with open(path, "w") as f:
+            f.write(render(prog))
+        paths.append(path)
+    return paths

@@ -1,0 +1,130 @@
+"""Build a plan over a device mesh by propagating splits through the graph.
+
+For each mesh axis on its own, every tensor is sharded along one of its axes,
+replicated, or a partial sum. A node is split along the dimension that its
+sharded inputs already agree on (so no communication is needed), unless a
+*rule* decides otherwise; with no sharded input it is replicated. The result
+is an ordinary :class:`Plan`: op-trans per node and mesh axis, and op-assign of
+each piece to the mesh coordinate it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torchweave.ir.graph import Graph, Node
+from torchweave.ops import OpInfo, info
+from torchweave.plan.layout import Mesh
+from torchweave.plan.plan import Plan
+
+Placement = tuple  # ("S", axis) | ("R",) | ("P",)
+R: Placement = ("R",)
+P: Placement = ("P",)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rule sees for one node on one mesh axis."""
+
+    graph: Graph
+    node: Node
+    op: OpInfo
+    axis: str
+    parts: int
+    inputs: list[Placement]
+    """Placement of each tensor input on this mesh axis."""
+    taken: dict[str, int]
+    """Dim → parts already split by earlier mesh axes."""
+
+    def can_split(self, dim: str) -> bool:
+        b = self.op.bound
+        return (dim in b.splittable()
+                and b.sizes[dim] % (self.taken.get(dim, 1) * self.parts) == 0)
+
+    def lead_dim(self, tensor: int, axis: int) -> str | None:
+        spec = self.op.bound.annotation.inputs[tensor]
+        if spec.opaque or axis >= len(spec.axes) or not spec.axes[axis].dims:
+            return None
+        return spec.axes[axis].dims[0].name
+
+
+Rule = Callable[[Context], "str | None | Default"]
+
+
+class Default:
+    """A rule's answer meaning "no opinion: follow the inputs"."""
+
+
+DEFAULT = Default()
+
+
+def follow_inputs(ctx: Context) -> str | None:
+    """The dim that most sharded input bytes already agree on."""
+    votes: dict[str, int] = {}
+    metas = ctx.graph.input_metas(ctx.node)
+    for k, place in enumerate(ctx.inputs):
+        if place[0] == "S":
+            dim = ctx.lead_dim(k, place[1])
+            if dim is not None and ctx.can_split(dim):
+                votes[dim] = votes.get(dim, 0) + metas[k].numel
+    return max(votes, key=votes.get) if votes else None
+
+
+def propagate(
+    graph: Graph, mesh: Mesh, *, inputs: dict[str, dict[str, int]] | None = None,
+    rule: Rule | None = None, name: str = "plan",
+) -> Plan:
+    """A plan from input shardings (``{input: {mesh_axis: tensor_axis}}``) and a rule."""
+    inputs = inputs or {}
+    choice: dict[str, dict[str, str | None]] = {n.name: {} for n in graph.nodes}
+    infos = {n.name: info(graph, n) for n in graph.nodes}
+    for axis, parts in mesh.axes:
+        if parts == 1:
+            continue
+        place: dict[str, Placement] = {}
+        for v in graph.values.values():
+            if v.kind == "input" and axis in inputs.get(v.target, {}):
+                place[v.name] = ("S", inputs[v.target][axis])
+            elif v.kind != "activation":
+                place[v.name] = R
+        for node in graph.nodes:
+            op = infos[node.name]
+            taken: dict[str, int] = {}
+            for prev_axis, dim in choice[node.name].items():
+                if dim:
+                    taken[dim] = taken.get(dim, 1) * mesh.dim(prev_axis)
+            ctx = Context(graph, node, op, axis, parts,
+                          [place.get(r.name, R) for r in node.input_refs()], taken)
+            dim = rule(ctx) if rule else DEFAULT
+            if isinstance(dim, Default):
+                dim = follow_inputs(ctx)
+            if dim is not None and not ctx.can_split(dim):
+                dim = None
+            choice[node.name][axis] = dim
+            for j, out in enumerate(node.outputs):
+                if out:
+                    place[out] = _output_placement(op, j, dim)
+    plan = Plan(world_size=mesh.size, name=name, mesh=mesh)
+    for node in graph.nodes:
+        for axis, parts in mesh.axes:
+            if parts == 1:
+                continue
+            dim = choice[node.name][axis]
+            if dim is None:
+                plan.replicate(node.name, parts)
+            else:
+                plan.split(node.name, dim, parts)
+        plan.assign_all(node.name, list(range(mesh.size)))
+    return plan
+
+
+def _output_placement(op: OpInfo, j: int, dim: str | None) -> Placement:
+    if dim is None:
+        return R
+    spec = op.bound.annotation.outputs[j]
+    if not spec.opaque:
+        for a, ax in enumerate(spec.axes):
+            if ax.dims and ax.dims[0].name == dim:
+                return ("S", a)
+    return P if op.bound.dim(dim).kind == "reduce" else R

@@ -1,0 +1,48 @@
+"""Built-in policies: functions that build a Plan from the primitives, and nothing else.
+
+Each takes the captured graph and the world size (plus keyword options) and
+returns a :class:`~torchweave.plan.Plan`. ``resolve`` turns a name, a policy
+function or a Plan into a Plan.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.ir.graph import Graph
+from torchweave.plan.plan import Plan
+from torchweave.policies.data import dp, zero1, zero2, zero3
+from torchweave.policies.random import random_plan
+from torchweave.policies.tensor import sp, tp
+
+Policy = Callable[..., Plan]
+POLICIES: dict[str, Policy] = {
+    "dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "tp": tp, "sp": sp,
+    "random": random_plan,
+}
+PlanLike = Union[Plan, Policy, str]
+
+
+def resolve(plan: PlanLike, graph: Graph, world_size: int) -> Plan:
+    """A Plan from a Plan, a policy function or a built-in policy's name."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, str):
+        if plan not in POLICIES:
+            raise TorchweaveError(Problem(
+                obj="plan", value=repr(plan), rule=f"a built-in policy: {', '.join(POLICIES)}",
+                fix="pass a Plan, a policy function, or one of these names",
+            ))
+        return POLICIES[plan](graph, world_size)
+    if callable(plan):
+        out = plan(graph, world_size)
+        if not isinstance(out, Plan):
+            raise TorchweaveError(Problem(obj=f"policy {getattr(plan, '__name__', plan)}",
+                                          value=type(out).__name__, rule="a policy returns a Plan"))
+        return out
+    raise TorchweaveError(Problem(obj="plan", value=type(plan).__name__,
+                                  rule="a Plan, a policy function or a policy name"))
+
+
+__all__ = ["POLICIES", "dp", "resolve", "random_plan", "sp", "tp", "zero1", "zero2", "zero3"]

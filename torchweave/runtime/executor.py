@@ -1,0 +1,210 @@
+"""Run one rank's generated program: forward, backward, gradient sync, step."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.lower.program import ParamSlot, Program
+from torchweave.runtime.gradsync import GradSync
+from torchweave.runtime.groups import GroupCache
+from torchweave.runtime.zero import ZeroOptimizer
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def default_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """How each training step runs."""
+
+    grad_accum: int = 1
+    """Micro-batches per step; the batch's dim 0 is split into this many parts."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm (over all shards) to this value."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: compute in bf16 from fp32 master weights; gradients and updates in fp32."""
+    bucket_mb: float = 25.0
+    """Gradient all-reduce bucket size."""
+    overlap: bool = True
+    """Start each bucket's all-reduce during backward."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.grad_accum < 1:
+            problems.append(Problem(obj="StepConfig.grad_accum", value=str(self.grad_accum),
+                                    rule="at least 1 micro-batch"))
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            problems.append(Problem(obj="StepConfig.clip_grad_norm", value=str(self.clip_grad_norm),
+                                    rule="a positive norm, or None"))
+        if self.precision not in ("fp32", "bf16"):
+            problems.append(Problem(obj="StepConfig.precision", value=repr(self.precision),
+                                    rule="one of 'fp32', 'bf16'"))
+        if problems:
+            raise TorchweaveError(problems)
+
+
+@dataclass
+class Runtime:
+    """What generated code sees as ``rt``."""
+
+    rank: int
+    device: torch.device
+    gc: GroupCache
+    tokens: list[torch.Tensor] = field(default_factory=list)
+
+
+def load_module(path: str, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def slice_box(t: torch.Tensor, box) -> torch.Tensor:
+    return t[tuple(slice(a, b) for a, b in box)]
+
+
+class RankModule:
+    """One rank's share of the parallel model, with ``train_step(*batch)``."""
+
+    def __init__(self, program: Program, code_path: str, state: dict[str, torch.Tensor],
+                 gc: GroupCache, *, optimizer: OptimizerFactory = default_optimizer,
+                 config: StepConfig = StepConfig(), zero: int = 0,
+                 zero_group: tuple[int, ...] | None = None) -> None:
+        self.program, self.config = program, config
+        self.rt = Runtime(program.rank, gc.device, gc)
+        gc.create_all(program.groups + ([zero_group] if zero_group else []))
+        self.code = load_module(code_path, f"torchweave_rank{program.rank}_{id(self)}")
+        self.params: dict[str, torch.Tensor] = {}
+        self.slots: dict[str, ParamSlot] = {}
+        for slot in program.params:
+            if slot.path not in state:
+                raise TorchweaveError(Problem(obj=f"parameter {slot.path}", value="missing",
+                                              rule="the state holds every parameter of the graph"))
+            piece = slice_box(state[slot.path].detach(), slot.box).clone().to(gc.device)
+            if slot.requires_grad and not slot.is_buffer:
+                piece.requires_grad_(True)
+            self.params[slot.path] = piece
+            self.slots[slot.path] = slot
+        trainable = [(self.params[s.path], s) for s in program.params
+                     if s.requires_grad and not s.is_buffer]
+        synced = [(p, s.grad_groups[0]) for p, s in trainable if s.grad_groups]
+        self.opt = None
+        if zero:
+            self.opt = ZeroOptimizer(gc, trainable, zero_group, stage=zero, factory=optimizer)
+            synced = [(p, g) for p, g in synced if not self.opt.owns(p)]
+        rest = [p for p, _ in trainable if self.opt is None or not self.opt.owns(p)]
+        self.optimizer = optimizer(rest) if rest else None
+        self.sync = GradSync(gc, synced, bucket_bytes=int(config.bucket_mb * 2**20),
+                             overlap=config.overlap)
+        self.trainable = trainable
+
+    # ------------------------------------------------------------ one step
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.config.precision == "bf16" and t.is_floating_point():
+            return t.to(torch.bfloat16)
+        return t
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | None:
+        """This rank's forward pass; its local loss term (or None)."""
+        inputs = tuple(self._cast(x.to(self.rt.device)) for x in inputs)
+        self.rt.tokens = []
+        if self.opt is None:
+            params = {k: self._cast(v) for k, v in self.params.items()}
+            return self.code.forward(self.rt, params, *inputs)
+        params = self.opt.view(self.params, self._cast)
+        if self.opt.stage < 3:
+            return self.code.forward(self.rt, params, *inputs)
+        try:
+            with self.opt.saved_tensor_hooks(self._cast):
+                return self.code.forward(self.rt, params, *inputs)
+        finally:
+            self.opt.gathered.clear()
+
+    def train_step(self, *batch: torch.Tensor) -> float:
+        """Forward, backward, gradient sync, clipping and optimizer step; the loss."""
+        loss = self.backward_step(*batch)
+        self.optimizer_step()
+        return loss
+
+    def backward_step(self, *batch: torch.Tensor) -> float:
+        """Forward and backward over the micro-batches, then gradient sync and clipping."""
+        k = self.config.grad_accum
+        micro = [torch.chunk(x, k, dim=0) for x in batch]
+        total = 0.0
+        for i in range(k):
+            last = i == k - 1
+            self.sync.enabled = last
+            loss = self.forward(*[m[i] for m in micro])
+            roots = ([loss.float() / k] if loss is not None else []) + self.rt.tokens
+            if roots and any(r.requires_grad for r in roots):
+                grads = [torch.ones_like(r) if r.numel() else torch.zeros_like(r) for r in roots]
+                torch.autograd.backward(roots, grads)
+            total += float(loss.detach()) if loss is not None else 0.0
+        self.sync.finish()
+        if self.opt is not None:
+            self.opt.finish_grads()
+        if self.config.clip_grad_norm is not None:
+            self.clip(self.config.clip_grad_norm)
+        return self.loss_value(total / k)
+
+    def optimizer_step(self) -> None:
+        if self.opt is not None:
+            self.opt.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def loss_value(self, local: float) -> float:
+        prog = self.program
+        if prog.loss_group is None:
+            return local
+        t = torch.tensor([local], dtype=torch.float64, device=self.rt.device)
+        dist.all_reduce(t, group=self.rt.gc.get(prog.loss_group))
+        return float(t.item())
+
+    def grad_norm(self) -> float:
+        """The global gradient norm: each distinct piece counted once."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+        if self.opt is not None:
+            sq += self.opt.grad_sq_norm()
+        for p, slot in self.trainable:
+            if p.grad is not None and (self.opt is None or not self.opt.owns(p)):
+                sq += p.grad.double().pow(2).sum() / slot.replicas
+        if self.program.world_size > 1:
+            dist.all_reduce(sq)
+        return math.sqrt(float(sq))
+
+    def clip(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for p, _ in self.trainable:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            if self.opt is not None:
+                self.opt.scale_grads(scale)
+        return norm
+
+    def state_pieces(self) -> dict[str, tuple[Any, torch.Tensor]]:
+        """Path → (box, current local piece), with ZeRO shards gathered."""
+        params = self.opt.full_params(self.params) if self.opt is not None else self.params
+        return {path: (self.slots[path].box, t.detach()) for path, t in params.items()}
+
+    def grad_pieces(self) -> dict[str, tuple[Any, torch.Tensor | None]]:
+        grads = self.opt.full_grads(self.params) if self.opt is not None else {
+            k: v.grad for k, v in self.params.items()}
+        return {path: (self.slots[path].box, g) for path, g in grads.items()}
