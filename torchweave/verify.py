@@ -9,6 +9,8 @@ every parameter after the last optimizer step.
 from __future__ import annotations
 
 import copy
+import traceback
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,10 @@ class Report:
     """Communication calls of rank 0 in one step, by kind and direction."""
     noise: list[str] = field(default_factory=list)
     """Parameters whose true gradient is zero: compared by gradient only."""
+    error: str = ""
+    """Set when the plan failed to run."""
+    masked: dict[str, int] = field(default_factory=dict)
+    """Elements left out of the after-steps comparison (zero true gradient), per parameter."""
 
     @property
     def loss_diff(self) -> float:
@@ -51,10 +57,12 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        if self.error or not self.losses:
+            return False
         return max(self.loss_diff, self.max_grad_diff, self.max_param_diff) <= self.tolerance
 
     def __str__(self) -> str:
-        mark = "OK" if self.ok else "MISMATCH"
+        mark = "OK" if self.ok else ("FAILED: " + self.error if self.error else "MISMATCH")
         lines = [f"verify {self.plan!r} on {self.world_size} ranks, {self.steps} steps: {mark} "
                  f"(tolerance {self.tolerance:g} relative)",
                  f"  {'what':44s} {'max rel diff':>12s}",
@@ -64,6 +72,9 @@ class Report:
             for path, d in worst:
                 flag = "" if d <= self.tolerance else "  <-- over"
                 lines.append(f"  {title + ' ' + path:44.44s} {d:12.3g}{flag}")
+        if self.masked:
+            lines.append("  elements with zero true gradient, compared by gradient only: "
+                         + ", ".join(f"{k} ({n})" for k, n in self.masked.items()))
         if self.noise:
             lines.append(f"  zero-gradient parameters (compared by gradient only): {', '.join(self.noise)}")
         lines.append(f"  losses (one device / plan): "
@@ -83,10 +94,25 @@ def _rel_tensor(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-12) -> 
     return diff / max(float(want.double().norm()), floor)
 
 
-def _rank_run(ctx: RankContext, compiled: Compiled, inputs: tuple, steps: int,
+def _rank_run(ctx: RankContext, jobs: list[tuple]) -> list[dict[str, Any]]:
+    """Run every job on this rank, reusing the process group and its subgroups."""
+    out = []
+    for compiled, inputs, steps, optimizer, config in jobs:
+        try:
+            out.append(_rank_job(ctx, compiled, inputs, steps, optimizer, config))
+        except Exception as exc:  # noqa: BLE001 - reported per job; other jobs go on
+            if "Timed out" in str(exc) or "Connection" in str(exc):
+                raise
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "rank" in f.filename]
+            where = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
+            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}{where}"})
+    return out
+
+
+def _rank_job(ctx: RankContext, compiled: Compiled, inputs: tuple, steps: int,
               optimizer: OptimizerFactory, config: StepConfig) -> dict[str, Any]:
     module = rank_module(compiled, ctx.groups, optimizer=optimizer, config=config)
-    losses, grads = [], {}
+    losses, grads, comm = [], {}, {}
     for step in range(steps):
         with ctx.groups.counter.window() as window:
             losses.append(module.backward_step(*inputs))
@@ -102,29 +128,67 @@ def _assemble(pieces: list[dict[str, tuple[Any, torch.Tensor | None]]],
     out: dict[str, torch.Tensor] = {}
     for rank_pieces in pieces:
         for path, (box, t) in rank_pieces.items():
-            if t is None:
+            if t is None or path not in shapes:
                 continue
             full = out.setdefault(path, torch.zeros(shapes[path], dtype=t.dtype))
             full[tuple(slice(a, b) for a, b in box)] = t.to(full.dtype)
     return out
 
 
+@dataclass
+class Case:
+    """One model, inputs and plan to verify."""
+
+    model: torch.nn.Module
+    inputs: tuple[Any, ...]
+    plan: PlanLike
+    steps: int = 3
+    optimizer: OptimizerFactory = default_optimizer
+    config: StepConfig = field(default_factory=StepConfig)
+    name: str = ""
+
+
 def verify(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, plan: PlanLike,
            world_size: int, steps: int = 3, tolerance: float = 1e-5,
            optimizer: OptimizerFactory = default_optimizer, config: StepConfig = StepConfig(),
            launch: LaunchConfig | None = None, code_dir: str | None = None) -> Report:
-    """Run ``plan`` on ``world_size`` local processes and one device; compare."""
-    compiled = compile_plan(model, example_inputs, plan, world_size=world_size, code_dir=code_dir)
+    """Run ``plan`` on ``world_size`` local processes and on one device; compare."""
+    case = Case(model, example_inputs, plan, steps, optimizer, config)
+    return verify_many([case], world_size=world_size, tolerance=tolerance, launch=launch,
+                       code_dir=code_dir)[0]
+
+
+def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
+                launch: LaunchConfig | None = None, code_dir: str | None = None) -> list[Report]:
+    """Verify several cases in one launch of ``world_size`` processes.
+
+    Every plan is compiled and checked before anything starts. A case that
+    raises on a rank is reported as failed; the others still run.
+    """
+    compiled = []
+    for i, c in enumerate(cases):
+        sub = os.path.join(code_dir, f"case{i}") if code_dir else None
+        compiled.append(compile_plan(c.model, c.inputs, c.plan, world_size=world_size, code_dir=sub))
     launch = launch or LaunchConfig(world_size=world_size, timeout_s=60.0)
-    results = spawn(_rank_run, launch, compiled, example_inputs, steps, optimizer, config)
-    ref = _reference(model, example_inputs, steps, optimizer, config)
-    report = Report(compiled.plan.name, world_size, steps, tolerance,
-                    comm=results[0]["comm"])
-    report.losses = list(zip(ref["losses"], results[0]["losses"]))
-    shapes = {p.target: p.meta.shape for p in compiled.graph.params()}
-    compare(report, ref, _assemble([r["grads"] for r in results], shapes),
-            _assemble([r["params"] for r in results], shapes))
-    return report
+    jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config) for comp, c in zip(compiled, cases)]
+    results = spawn(_rank_run, launch, jobs)
+    reports = []
+    for i, (case, comp) in enumerate(zip(cases, compiled)):
+        per_rank = [r[i] for r in results]
+        report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance)
+        errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
+        if errors:
+            report.error = "; ".join(errors)
+            reports.append(report)
+            continue
+        ref = _reference(case.model, case.inputs, case.steps, case.optimizer, case.config)
+        report.comm = per_rank[0]["comm"]
+        report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
+        shapes = {p.target: p.meta.shape for p in comp.graph.params()}
+        compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
+                _assemble([r["params"] for r in per_rank], shapes))
+        reports.append(report)
+    return reports
 
 
 def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
@@ -134,20 +198,34 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
     A parameter whose true gradient is zero (a key bias before softmax, say)
     has a computed gradient of pure rounding noise, which AdamW divides by its
     own square root into steps of size ``lr``: no two summation orders agree
-    on it. Such parameters are compared through their gradients (against the
-    model's largest gradient) and left out of the after-steps comparison, and
-    the report names them.
+    on it. Such parameters (and such elements of larger ones, such as the key
+    part of a fused QKV bias) are compared through their gradients, against
+    the model's largest gradient, and left out of the after-steps comparison;
+    the report names them and counts the elements.
     """
     scale = max((float(g.double().norm()) for g in ref["grads"].values()), default=0.0)
     floor = max(scale * 1e-6, 1e-12)
+    top = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
     for path, want in ref["grads"].items():
-        report.grads[path] = _rel_tensor(grads[path], want, floor) if path in grads else float("inf")
-        if float(want.double().norm()) < floor:
+        noise = float(want.double().norm()) < floor
+        if noise:
             report.noise.append(path)
+        denom = max(scale, 1e-12) if noise else 1e-12
+        report.grads[path] = _rel_tensor(grads[path], want, denom) if path in grads else float("inf")
     for path, want in ref["params"].items():
         if path in report.noise:
             continue
-        report.params[path] = _rel_tensor(params[path], want) if path in params else float("inf")
+        if path not in params:
+            report.params[path] = float("inf")
+            continue
+        got = params[path]
+        g = ref["grads"].get(path)
+        if g is not None:
+            keep = g.abs() >= top * 1e-6  # elements whose own gradient is not rounding noise
+            if not bool(keep.all()):
+                report.masked[path] = int((~keep).sum())
+                got, want = got[keep], want[keep]
+        report.params[path] = _rel_tensor(got, want)
 
 
 def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: OptimizerFactory,

@@ -87,7 +87,7 @@ def _comm_line(prog: Program, c: Comm) -> str:
         call = f"C.grad_all_reduce(rt.gc, {x}, {_group(prog, s.groups)})"
     elif isinstance(s, Narrow):
         box = dict(s.boxes)[prog.rank]
-        call = f"{x}[{', '.join(f'{a}:{b}' for a, b in box)}]"
+        call = f"{x}[{', '.join(f'{a}:{b}' for a, b in box)}].contiguous()"
     elif isinstance(s, P2P):
         call = f"P2P.p2p(rt, {x}, STEPS[{c.dst!r}])"
     else:  # pragma: no cover - every step kind is listed above

@@ -80,6 +80,11 @@ class Lowering:
         local_inputs: dict[tuple[int, int], str] = {}
         for k, (ref, tspec) in enumerate(zip(refs, specs)):
             meta = self.graph.values[ref.name].meta
+            held = self.held.get(ref.name, {})
+            if tspec.meta_only and all(d in held for d in by_device):
+                for d in by_device:
+                    local_inputs[(k, d)] = self.local.get((ref.name, d), ref.name)
+                continue
             needs = {d: Need(tensor_box(bound, tspec, meta.shape, ps[0]), ps[0].piece_id)
                      for d, ps in by_device.items()}
             names = self._provide(ref.name, needs, node)

@@ -36,10 +36,19 @@ def same_axes(call: Call) -> str:
     return f"{join(names, *rest)} -> {join(*([names] * len(call.outputs)))}"
 
 
+def like(call: Call) -> str:
+    """``type_as(x, other)``: ``other`` gives only its dtype."""
+    names = LETTERS[: call.rank]
+    rest = ["*"] * (len(call.inputs) - 1)
+    return f"{join(names, *rest)} -> {join(names)}"
+
+
 op(["aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy",
-    "aten.type_as", "aten.contiguous", "aten.clone", "aten.alias", "aten.detach",
-    "aten.lift_fresh_copy"], same_axes, flops_per_point=0.0)
-op("aten.dropout", same_axes, random=True)
+    "aten.contiguous", "aten.clone", "aten.alias", "aten.detach", "aten.lift_fresh_copy",
+    "aten.zeros_like", "aten.ones_like", "aten.full_like"],
+   same_axes, flops_per_point=0.0)
+op("aten.type_as", like, flops_per_point=0.0)
+op(["aten.dropout", "aten.rand_like", "aten.randn_like"], same_axes, random=True)
 
 
 # ---------------------------------------------------------------- contractions
@@ -320,12 +329,20 @@ def _index(call: Call) -> str:
 
 
 op("aten.index.Tensor", _index, flops_per_point=0.0)
-op(["aten.arange", "aten.zeros", "aten.ones", "aten.full", "aten.empty", "aten.new_ones",
-    "aten.new_zeros", "aten.new_full", "aten.new_empty", "aten.zeros_like", "aten.ones_like",
-    "aten.full_like", "aten.one_hot", "aten.triu", "aten.tril", "aten.scalar_tensor",
+op(["aten.arange", "aten.zeros", "aten.ones", "aten.full", "aten.empty", "aten.scalar_tensor",
     "aten.gather", "aten.scatter", "aten.scatter_add", "aten.repeat"],
    rules.outputs_only, flops_per_point=0.0)
-op(["aten.rand_like", "aten.randn_like"], rules.outputs_only, flops_per_point=0.0, random=True)
+op(["aten.new_ones", "aten.new_zeros", "aten.new_full", "aten.new_empty"],
+   lambda c: rules.outputs_only(c).replace("?", "*", 1), flops_per_point=0.0)
+op(["aten.triu", "aten.tril"], lambda c: rules.frozen_axes(c, [c.rank - 2, c.rank - 1]))
+
+
+def _one_hot(call: Call) -> str:
+    names = LETTERS[: call.rank]
+    return f"{join(names)} -> {join(names + ['cls^'])}"
+
+
+op("aten.one_hot", _one_hot, flops_per_point=0.0)
 
 
 # ---------------------------------------------------------------- embedding

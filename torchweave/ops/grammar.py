@@ -5,7 +5,8 @@
     annotation := side "->" side
     side       := tensor ("," tensor)*  |  (nothing: no tensors)
     tensor     := item+  |  "()"  (a 0-d tensor)  |  "?"  (a tensor the op
-                  does not split: always passed whole)
+                  does not split: always passed whole)  |  "*"  (a tensor whose
+                  values are not read, only its dtype and device: any piece will do)
     item       := dim  |  "(" dim dim+ ")"  |  "1"  |  "..."
     dim        := NAME ["+" | "^"]
 
@@ -32,7 +33,7 @@ from torchweave.errors import AnnotationError, Problem
 
 DimKind = Literal["spatial", "reduce", "frozen"]
 _MARK = {"+": "reduce", "^": "frozen"}
-_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<mark>[+^]?)|(?P<sym>\.\.\.|->|[(),?1]))")
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<mark>[+^]?)|(?P<sym>\.\.\.|->|[(),?*1]))")
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,19 @@ class Axis:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """The axes of one tensor; ``opaque`` for ``?``."""
+    """The axes of one tensor; ``opaque`` for ``?`` and ``*``."""
 
     axes: tuple[Axis, ...]
     opaque: bool = False
+    meta_only: bool = False
+    """``*``: only dtype and device are read, so no piece needs moving."""
 
     def names(self) -> list[str]:
         return [d.name for a in self.axes for d in a.dims]
 
     def __str__(self) -> str:
+        if self.meta_only:
+            return "*"
         if self.opaque:
             return "?"
         return " ".join(map(str, self.axes)) if self.axes else "()"
@@ -120,7 +125,7 @@ def parse(text: str) -> Annotation:
         if not m:
             bad = pos + len(text[pos:]) - len(text[pos:].lstrip())
             raise _error(text, bad, f"unexpected character {text[bad]!r}",
-                         "use names, '+', '^', '(', ')', '1', '...', ',', '?' and '->'")
+                         "use names, '+', '^', '(', ')', '1', '...', ',', '?', '*' and '->'")
         start = m.start("name") if m["name"] else m.start("sym")
         if m["name"]:
             tokens.append(("name", m["name"] + m["mark"], start))
@@ -145,30 +150,30 @@ def _parse_side(text: str, tokens: list[tuple[str, str, int]]) -> tuple[TensorSp
     specs: list[TensorSpec] = []
     current: list[Axis] = []
     i = 0
-    opaque = empty = False
+    opaque = empty = meta = False
 
     def finish(at: int) -> None:
-        nonlocal current, opaque, empty
+        nonlocal current, opaque, empty, meta
         if opaque or empty:
-            specs.append(TensorSpec((), opaque=opaque))
+            specs.append(TensorSpec((), opaque=opaque, meta_only=meta))
         elif not current:
             raise _error(text, at, "a tensor names at least one axis", "write '()' for a 0-d tensor")
         else:
             if sum(a.ellipsis for a in current) > 1:
                 raise _error(text, at, "a tensor has at most one '...'")
             specs.append(TensorSpec(tuple(current)))
-        current, opaque, empty = [], False, False
+        current, opaque, empty, meta = [], False, False, False
 
     while i < len(tokens):
         kind, val, p = tokens[i]
         if (opaque or empty) and kind != ",":
-            raise _error(text, p, "'?' and '()' stand alone for a tensor")
+            raise _error(text, p, "'?', '*' and '()' stand alone for a tensor")
         if kind == ",":
             finish(p)
-        elif kind == "?":
+        elif kind in ("?", "*"):
             if current:
-                raise _error(text, p, "'?' stands alone for a tensor")
-            opaque = True
+                raise _error(text, p, f"'{kind}' stands alone for a tensor")
+            opaque, meta = True, kind == "*"
         elif kind == "name":
             current.append(Axis((_dim(val),)))
         elif kind == "1":
@@ -231,6 +236,6 @@ def normalize_kinds(ann: Annotation) -> Annotation:
             Axis(tuple(Dim(d.name, kinds.get(d.name, d.kind)) for d in a.dims), a.ellipsis)
             for a in t.axes
         )
-        return TensorSpec(axes, t.opaque)
+        return TensorSpec(axes, t.opaque, t.meta_only)
 
     return Annotation(tuple(map(fix, ann.inputs)), tuple(map(fix, ann.outputs)))

@@ -39,8 +39,8 @@ from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names; older releases lack *_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 FWD, BWD = Direction.FORWARD, Direction.BACKWARD
 
@@ -105,16 +105,16 @@ def _raw_all_gather(g: _Group, x: torch.Tensor, axis: int, d: Direction) -> torc
     front = x.movedim(axis, 0).contiguous()
     out = front.new_empty((g.size * front.shape[0], *front.shape[1:]))
     g.record(CommKind.ALL_GATHER, d, front)
-    _all_gather_single(out, front, group=g.pg)
-    return out.movedim(0, axis)
+    all_gather_single(out, front, group=g.pg)
+    return out.movedim(0, axis).contiguous()
 
 
 def _raw_reduce_scatter(g: _Group, x: torch.Tensor, axis: int, d: Direction) -> torch.Tensor:
     front = x.movedim(axis, 0).contiguous()
     out = front.new_empty((front.shape[0] // g.size, *front.shape[1:]))
     g.record(CommKind.REDUCE_SCATTER, d, front)
-    _reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=g.pg)
-    return out.movedim(0, axis)
+    reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=g.pg)
+    return out.movedim(0, axis).contiguous()
 
 
 def _raw_all_to_all(g: _Group, x: torch.Tensor, split_axis: int, cat_axis: int,
@@ -131,7 +131,7 @@ def _raw_all_to_all(g: _Group, x: torch.Tensor, split_axis: int, cat_axis: int,
     merged = chunks.movedim(0, cat_axis)
     shape = list(chunks.shape[1:])
     shape[cat_axis] *= n
-    return merged.reshape(shape)
+    return merged.reshape(shape).contiguous()
 
 
 def _own_chunk(g: _Group, x: torch.Tensor, axis: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from torchweave.runtime.comm import all_gather_single, reduce_scatter_single
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
 
@@ -68,7 +69,7 @@ class _Gather(torch.autograd.Function):
         out = torch.empty(c, dtype=flat.dtype, device=flat.device)
         zero.gc.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, zero.group,
                                flat.numel() * flat.element_size())
-        dist.reduce_scatter_tensor(out, flat.contiguous(), group=zero.pg)
+        reduce_scatter_single(out, flat.contiguous(), group=zero.pg)
         return out, None, None
 
 
@@ -106,7 +107,7 @@ class ZeroOptimizer:
         full = torch.empty(c * self.size, dtype=chunk.dtype, device=chunk.device)
         self.gc.counter.record(CommKind.ALL_GATHER, Direction.FORWARD, self.group,
                                full.numel() * full.element_size())
-        dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.pg)
+        all_gather_single(full, chunk.contiguous(), group=self.pg)
         return full[:n].view(self.layout.shapes[i]).to(self.dtypes[i])
 
     def view(self, params: dict[str, torch.Tensor], cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -150,7 +151,7 @@ class ZeroOptimizer:
         else:
             self.gc.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, self.group, nbytes)
             mine = torch.empty(self.layout.total, dtype=rows.dtype, device=rows.device)
-            dist.reduce_scatter_tensor(mine, rows.reshape(-1).contiguous(), group=self.pg)
+            reduce_scatter_single(mine, rows.reshape(-1).contiguous(), group=self.pg)
         for p in self.owned:
             p.grad = None
         self.master.grad = mine
@@ -185,7 +186,7 @@ class ZeroOptimizer:
         flat = torch.empty(self.size * self.layout.total, dtype=chunk.dtype, device=chunk.device)
         self.gc.counter.record(CommKind.ALL_GATHER, Direction.FORWARD, self.group,
                                flat.numel() * flat.element_size())
-        dist.all_gather_into_tensor(flat, chunk.contiguous(), group=self.pg)
+        all_gather_single(flat, chunk.contiguous(), group=self.pg)
         return flat.view(self.size, self.layout.total)
 
     # ------------------------------------------------------------ inspection
