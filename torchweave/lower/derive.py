@@ -62,6 +62,8 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
     else:
         return _p2p(shape, src, dst)
     cut = _cut(held, dst)
+    if cut is None:
+        return _p2p(shape, src, dst)
     steps.extend(cut)
     groups = _sum_groups(dst)
     if groups is None:
@@ -220,14 +222,16 @@ def _all_to_all(groups, held, gathered, dst, axis):
     return None
 
 
-def _cut(held: dict[int, Piece], dst: dict[int, Need]) -> list[Step]:
+def _cut(held: dict[int, Piece], dst: dict[int, Need]) -> list[Step] | None:
     """Slice held pieces down to the needed boxes."""
     need_cut = {d for d, n in dst.items() if held[d].box != n.box}
     if not need_cut:
         return []
     steps: list[Step] = []
-    split = _split_groups(held, dst, need_cut)
-    if split is not None:
+    while need_cut:
+        split = _split_groups(held, dst, need_cut)
+        if split is None:
+            break
         axis, groups = split
         steps.append(Split(tuple(groups), axis))
         for g in groups:
@@ -235,6 +239,11 @@ def _cut(held: dict[int, Piece], dst: dict[int, Need]) -> list[Step]:
                 held[d] = Piece(_chunk(held[d].box, axis, k, len(g)))
         need_cut = {d for d in need_cut if held[d].box != dst[d].box}
     if need_cut:
+        for d in need_cut:
+            same = [e for e in dst if held[e] == held[d]]
+            if any(dst[e].box != dst[d].box for e in same) or any(e not in dst for e in held
+                                                                    if held[e] == held[d]):
+                return None
         boxes = []
         for d in sorted(need_cut):
             origin = held[d].box

@@ -47,6 +47,7 @@ class Lowering:
 
     # ------------------------------------------------------------ driver
     def run(self) -> list[Program]:
+        self._plan_params()
         self._place_inputs()
         for node in self.graph.nodes:
             self._node(node)
@@ -60,6 +61,45 @@ class Lowering:
             for d in range(self.world):
                 self.local[(name, d)] = name
                 self.programs[d].inputs.append(InputSlot(name, i, self.graph.values[name].target))
+
+    def _input_needs(self, node: Node):
+        """(ref, spec, needs) for each tensor input, and the node's pieces by device."""
+        bound = info(self.graph, node).bound
+        by_device: dict[int, list[PieceInfo]] = {}
+        for p in node_pieces(self.plan, node.name):
+            by_device.setdefault(p.device, []).append(p)
+        out = []
+        for ref, tspec in zip(node.input_refs(), bound.annotation.inputs):
+            meta = self.graph.values[ref.name].meta
+            needs = {d: Need(tensor_box(bound, tspec, meta.shape, ps[0]), ps[0].piece_id)
+                     for d, ps in by_device.items()}
+            out.append((ref, tspec, needs))
+        return out, by_device
+
+    def _plan_params(self) -> None:
+        """Where each parameter lives (its first reader's pieces), and whether its
+        gradient sum can wait for the bucketed sync: only when every reader
+        needs no communication and sums over the same groups. Otherwise each
+        reader's path sums its own gradients in backward, so that partial and
+        full contributions never mix in one local gradient."""
+        readers: dict[str, list[dict[int, Need]]] = {}
+        for node in self.graph.nodes:
+            if len({p.device for p in node_pieces(self.plan, node.name)}) < self.plan.num_pieces(node.name):
+                continue  # co-shard: reported by _node
+            for ref, tspec, needs in self._input_needs(node)[0]:
+                if self.graph.values[ref.name].kind in ("param", "buffer") and not tspec.meta_only:
+                    readers.setdefault(ref.name, []).append(needs)
+        self.defer: dict[str, bool] = {}
+        for name, all_needs in readers.items():
+            held = {d: Piece(n.box) for d, n in all_needs[0].items()}
+            self.param_needs[name] = held
+            self.held[name] = held
+            shape = self.graph.values[name].meta.shape
+            results = [derive(shape, held, needs, defer_grad_sum=True) for needs in all_needs]
+            self.defer[name] = all(not r.steps for r in results) and \
+                len({tuple(sorted(r.grad_groups)) for r in results}) == 1
+            for d in held:
+                self.local[(name, d)] = name
 
     def _node(self, node: Node) -> None:
         inf = info(self.graph, node)
@@ -159,33 +199,18 @@ class Lowering:
         return {d: current[d] for d in needs}
 
     def _provide_param(self, value: str, needs: dict[int, Need], node: Node) -> dict[int, str]:
-        """Parameters live where their first consumer needs them; later
-        consumers get communication like any tensor."""
-        v = self.graph.values[value]
-        if value not in self.param_needs:
-            self.param_needs[value] = {d: Piece(n.box) for d, n in needs.items()}
+        """Parameters live where their first reader needs them; see _plan_params."""
+        if value not in self.held:  # read only for its dtype: keep it where asked
+            self.held[value] = self.param_needs[value] = {d: Piece(n.box) for d, n in needs.items()}
             for d in needs:
                 self.local[(value, d)] = value
-            self.held[value] = self.param_needs[value]
-        der = derive(v.meta.shape, self.held[value], needs, defer_grad_sum=True)
+            self.defer[value] = True
+        v = self.graph.values[value]
+        der = derive(v.meta.shape, self.held[value], needs, defer_grad_sum=self.defer[value])
         if der.steps:
             return self._steps_for(value, der, needs, node)
         if der.grad_groups:
-            prev = self.param_grad.get(value)
-            if prev is not None and set(prev) != set(der.grad_groups):
-                raise PlanError(Problem(
-                    obj=f"parameter {v.target}", value=f"read by {node.name} with gradient groups "
-                    f"{der.grad_groups}, earlier {prev}",
-                    rule="every reader of a replicated parameter sums its gradient over the same groups",
-                    fix="split the readers of a tied parameter the same way",
-                ))
             self.param_grad[value] = der.grad_groups
-        elif value in self.param_grad and self.param_grad[value]:
-            raise PlanError(Problem(
-                obj=f"parameter {v.target}", value=f"read whole by {node.name}",
-                rule="every reader of a replicated parameter sums its gradient over the same groups",
-                fix="split the readers of a tied parameter the same way",
-            ))
         else:
             self.param_grad.setdefault(value, ())
         return {d: self.local[(value, d)] for d in needs}
