@@ -32,3 +32,8 @@ def captured(name: str):
 
 def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--random-plans", type=int, default=30,
+                     help="how many seeded random plans the random-plan test verifies")

@@ -41,8 +41,13 @@ class Derivation:
 
 
 def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], *,
-           defer_grad_sum: bool = False) -> Derivation:
-    """Steps that give every device in ``dst`` the box it needs."""
+           defer_grad_sum: bool = False, differentiable: bool = True) -> Derivation:
+    """Steps that give every device in ``dst`` the box it needs.
+
+    ``differentiable=False`` (integer tensors) skips gradient sums.
+    """
+    if not differentiable:
+        dst = {d: Need(n.box, 0) for d, n in dst.items()}
     held = dict(src)
     steps: list[Step] = []
     if any(d not in held for d in dst):

@@ -182,7 +182,7 @@ class Lowering:
         if key in self.cache:
             return {d: self.cache[key][1] for d in needs}
         meta = v.meta
-        der = derive(meta.shape, src, needs)
+        der = derive(meta.shape, src, needs, differentiable=meta.dtype.is_floating_point)
         if not der.steps:
             names = {d: self.local[(value, d)] for d in needs}
             return names
@@ -193,7 +193,7 @@ class Lowering:
             for d in sorted(devices_of(step)):
                 self._group_ids(step)
                 self.programs[d].instrs.append(Comm(step, value, current.get(d, value), new,
-                                                    f"{name_of(step)} for {node.name}"))
+                                                    f"{name_of(step)} for {node.name}", node.name))
                 current[d] = new
         self.cache[key] = (der.result, current[next(iter(needs))])
         return {d: current[d] for d in needs}
@@ -223,7 +223,7 @@ class Lowering:
             self._group_ids(step)
             for d in sorted(devices_of(step)):
                 self.programs[d].instrs.append(Comm(step, value, current.get(d, value), new,
-                                                    f"{name_of(step)} for {node.name}"))
+                                                    f"{name_of(step)} for {node.name}", node.name))
                 current[d] = new
         self.param_grad.setdefault(value, ())
         return {d: current[d] for d in needs}

@@ -41,6 +41,8 @@ class Comm:
     src: str
     dst: str
     comment: str = ""
+    consumer: str = ""
+    """The node this communication feeds."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Only three decisions are made by hand; propagation makes the rest:
   (split ``k``: partial outputs, summed where a later op needs them whole);
 - any other linear layer is column-parallel (split ``n``), so attention heads
   and MLP hidden units shard, and the ops between follow;
-- an embedding is vocabulary-parallel (split ``v``).
+- an embedding of the model's input tokens is vocabulary-parallel (split ``v``).
 
 ``sp`` adds one rule: an op that would run replicated over the tensor-parallel
 group and has a sequence axis (axis 1 of a ``[batch, seq, …]`` output) is split
@@ -27,14 +27,26 @@ from torchweave.policies.data import batch_inputs
 def megatron(ctx: Context):
     if ctx.axis != "tp":
         return DEFAULT
-    if ctx.node.target == "aten.linear.default":
+    if ctx.node.target in ("aten.linear.default", "aten.mm.default") and _weight(ctx):
         x = ctx.inputs[0]
         if x[0] == "S" and ctx.lead_dim(0, x[1]) == "k" and ctx.can_split("k"):
             return "k"
         return "n" if ctx.can_split("n") else None
-    if ctx.node.target == "aten.embedding.default" and ctx.can_split("v"):
+    if ctx.node.target == "aten.embedding.default" and ctx.can_split("v") and _reads_tokens(ctx):
         return "v"
     return DEFAULT
+
+
+def _weight(ctx: Context) -> bool:
+    """A layer: its second input is a parameter."""
+    refs = ctx.node.input_refs()
+    return len(refs) > 1 and ctx.graph.values[refs[1].name].kind == "param"
+
+
+def _reads_tokens(ctx: Context) -> bool:
+    """Token embeddings read a model input; position tables read computed indices."""
+    refs = ctx.node.input_refs()
+    return len(refs) > 1 and ctx.graph.values[refs[1].name].kind == "input"
 
 
 def sequence(ctx: Context):
