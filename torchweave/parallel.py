@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from dataclasses import dataclass
@@ -54,9 +55,32 @@ def model_state(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]
 
 
 def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
-                 world_size: int, code_dir: str | None = None) -> Compiled:
-    """Capture, resolve and validate the plan, lower it and write each rank's code."""
-    graph = capture(model, example_inputs)
+                 world_size: int, code_dir: str | None = None, micro_batches: int = 1,
+                 precision: str = "fp32") -> Compiled:
+    """Capture, resolve and validate the plan, lower it and write each rank's code.
+
+    With ``micro_batches`` > 1 the graph is captured on one micro-batch (the
+    first 1/k of each input's dim 0), the shape every forward then sees. With
+    ``precision="bf16"`` it is captured on a bf16 copy on the meta device, so the
+    model's own casts (norms in fp32, say) are kept as written.
+    """
+    if micro_batches > 1:
+        bad = [i for i, x in enumerate(example_inputs)
+               if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % micro_batches)]
+        if bad:
+            raise TorchweaveError(Problem(
+                obj=f"example input {bad[0]}", value=str(tuple(example_inputs[bad[0]].shape)),
+                rule=f"the batch divides into {micro_batches} micro-batches",
+                fix="use a batch that is a multiple of grad_accum",
+            ))
+        example_inputs = tuple(x.chunk(micro_batches)[0] if isinstance(x, torch.Tensor) else x
+                               for x in example_inputs)
+    target, inputs = model, example_inputs
+    if precision == "bf16":
+        target = copy.deepcopy(model).to(device="meta", dtype=torch.bfloat16)
+        inputs = tuple(x.to(device="meta", dtype=torch.bfloat16 if x.is_floating_point() else x.dtype)
+                       if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    graph = capture(target, inputs)
     resolved = resolve(plan, graph, world_size)
     validate(resolved, graph, world_size=world_size)
     programs = lower(graph, resolved)
@@ -98,5 +122,6 @@ def parallelize(
         groups = GroupCache(rank=dist.get_rank(), world_size=dist.get_world_size(),
                             timeout_s=60.0, device=device)
     compiled = compile_plan(model, example_inputs, plan, world_size=groups.world_size,
-                            code_dir=code_dir)
+                            code_dir=code_dir, micro_batches=config.grad_accum,
+                            precision=config.precision)
     return rank_module(compiled, groups, optimizer=optimizer, config=config)

@@ -168,7 +168,9 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
     compiled = []
     for i, c in enumerate(cases):
         sub = os.path.join(code_dir, f"case{i}") if code_dir else None
-        compiled.append(compile_plan(c.model, c.inputs, c.plan, world_size=world_size, code_dir=sub))
+        compiled.append(compile_plan(c.model, c.inputs, c.plan, world_size=world_size, code_dir=sub,
+                                     micro_batches=c.config.grad_accum,
+                                     precision=c.config.precision))
     launch = launch or LaunchConfig(world_size=world_size, timeout_s=60.0)
     jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config) for comp, c in zip(compiled, cases)]
     results = spawn(_rank_run, launch, jobs)

@@ -1,0 +1,29 @@
+"""Print a plan as a table: one row per node."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from torchweave.ir.graph import Graph
+from torchweave.plan.plan import Plan
+
+
+def _devices(devs: list[int]) -> str:
+    if devs == list(range(devs[0], devs[0] + len(devs))) and len(devs) > 2:
+        return f"{devs[0]}..{devs[-1]}"
+    return ",".join(map(str, devs))
+
+
+def plan_table(plan: Plan, graph: Graph, *, limit: int | None = None) -> Table:
+    """op, source, annotation, op-trans and op-assign of every node."""
+    title = f"plan {plan.name!r}: {plan.world_size} devices" + (f", mesh {plan.mesh}" if plan.mesh else "")
+    if plan.zero:
+        title += f", ZeRO-{plan.zero} over {plan.zero_axis}"
+    table = Table(title=title)
+    for col in ("node", "op", "source", "annotation", "op-trans", "op-assign"):
+        table.add_column(col, overflow="fold")
+    for node in graph.nodes[:limit]:
+        trans = " ".join(map(str, plan.transforms(node.name))) or "whole"
+        table.add_row(node.name, node.target.split(".")[1], node.source, node.annotation or "",
+                      trans, _devices(plan.assignment.get(node.name, [])))
+    return table
