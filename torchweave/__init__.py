@@ -4,9 +4,16 @@ from torchweave.api import capture
 from torchweave.errors import TorchweaveError
 from torchweave.ir import Graph
 from torchweave.ops import register_annotation, register_op
+from torchweave.parallel import parallelize
+from torchweave.plan.layout import Mesh
+from torchweave.plan.plan import Plan
+from torchweave.runtime.executor import StepConfig
+from torchweave.runtime.launch import LaunchConfig, spawn as launch
 from torchweave.summary import summarize
+from torchweave.verify import verify
 
 __all__ = [
-    "Graph", "TorchweaveError", "capture", "register_annotation", "register_op", "summarize",
+    "Graph", "LaunchConfig", "Mesh", "Plan", "StepConfig", "TorchweaveError", "capture", "launch",
+    "parallelize", "register_annotation", "register_op", "summarize", "verify",
 ]
 __version__ = "0.1.0"

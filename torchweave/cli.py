@@ -34,6 +34,50 @@ def _inspect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace, console: Console) -> int:
+    from torchweave.factory import load
+    from torchweave.runtime.executor import StepConfig
+    from torchweave.runtime.launch import LaunchConfig
+    from torchweave.verify import verify
+
+    loaded = load(args.model)
+    report = verify(loaded.model, loaded.args, plan=args.plan, world_size=args.world_size,
+                    steps=args.steps, tolerance=args.tolerance,
+                    config=StepConfig(grad_accum=args.grad_accum),
+                    launch=LaunchConfig(world_size=args.world_size, timeout_s=args.timeout),
+                    code_dir=args.code)
+    console.print(str(report), highlight=False, markup=False)
+    if args.code:
+        console.print(f"generated code: {args.code}/case0/rank*.py")
+    return 0 if report.ok else 1
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    import torchweave
+    from torchweave.factory import load
+    from torchweave.lower.lower import lower
+    from torchweave.codegen.render import write
+    from torchweave.plan.show import plan_table
+    from torchweave.plan.validate import validate
+    from torchweave.policies import resolve
+
+    loaded = load(args.model, meta=args.meta)
+    graph = torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
+    plan = resolve(args.plan, graph, args.world_size)
+    validate(plan, graph, world_size=args.world_size)
+    console.print(plan_table(plan, graph, limit=None if args.all else 40))
+    if not args.all and len(graph.nodes) > 40:
+        console.print(f"... {len(graph.nodes) - 40} more nodes (--all shows every node)")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json())
+        console.print(f"wrote {args.out}")
+    if args.code:
+        paths = write(lower(graph, plan), args.code)
+        console.print(f"wrote {len(paths)} programs: {args.code}/rank0.py ...")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchweave",
@@ -51,6 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--totals", action="store_true", help="print only the totals")
     ins.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     ins.set_defaults(run=_inspect)
+    pl = sub.add_parser("plan", help="build a plan with a policy; show it, save it as JSON, "
+                        "write each rank's generated code")
+    pl.add_argument("model", metavar="MODEL")
+    pl.add_argument("--plan", default="dp", help="policy name or plan.json (default: dp)")
+    pl.add_argument("--world-size", type=int, default=2)
+    pl.add_argument("--out", metavar="PLAN_JSON", help="write the plan as JSON")
+    pl.add_argument("--code", metavar="DIR", help="write rank{r}.py for every rank")
+    pl.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    pl.add_argument("--all", action="store_true", help="show every node")
+    pl.set_defaults(run=_plan)
+    ver = sub.add_parser("verify", help="run a plan on N local processes beside one device and "
+                         "compare loss, every gradient and the parameters after k steps")
+    ver.add_argument("model", metavar="MODEL")
+    ver.add_argument("--plan", default="dp", help="policy name (dp, zero1-3, tp, sp, random) or plan.json")
+    ver.add_argument("--world-size", type=int, default=2)
+    ver.add_argument("--steps", type=int, default=3)
+    ver.add_argument("--grad-accum", type=int, default=1)
+    ver.add_argument("--tolerance", type=float, default=1e-5)
+    ver.add_argument("--timeout", type=float, default=60.0, help="collective time-out, seconds")
+    ver.add_argument("--code", metavar="DIR", help="keep the generated per-rank code here")
+    ver.set_defaults(run=_verify)
     models = sub.add_parser("models", help="list the bundled models")
     models.set_defaults(run=_models)
     return p

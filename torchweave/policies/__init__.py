@@ -25,9 +25,12 @@ PlanLike = Union[Plan, Policy, str]
 
 
 def resolve(plan: PlanLike, graph: Graph, world_size: int) -> Plan:
-    """A Plan from a Plan, a policy function or a built-in policy's name."""
+    """A Plan from a Plan, a policy function, a built-in policy's name or a plan.json path."""
     if isinstance(plan, Plan):
         return plan
+    if isinstance(plan, str) and plan.endswith(".json"):
+        with open(plan) as f:
+            return Plan.from_json(f.read())
     if isinstance(plan, str):
         if plan not in POLICIES:
             raise TorchweaveError(Problem(
