@@ -56,7 +56,7 @@ def model_state(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]
 
 def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
                  world_size: int, code_dir: str | None = None, micro_batches: int = 1,
-                 precision: str = "fp32") -> Compiled:
+                 precision: str = "fp32", only_rank: int | None = None) -> Compiled:
     """Capture, resolve and validate the plan, lower it and write each rank's code.
 
     With ``micro_batches`` > 1 the graph is captured on one micro-batch (the
@@ -85,9 +85,14 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     validate(resolved, graph, world_size=world_size)
     programs = lower(graph, resolved)
     code_dir = code_dir or tempfile.mkdtemp(prefix="torchweave-code-")
-    paths = write(programs, code_dir)
-    with open(os.path.join(code_dir, "plan.json"), "w") as f:
-        f.write(resolved.to_json())
+    if only_rank is None:
+        paths = write(programs, code_dir)
+    else:  # under torchrun every rank compiles; each writes only its own file
+        paths = [""] * len(programs)
+        paths[only_rank] = write([programs[only_rank]], code_dir)[0]
+    if only_rank in (None, 0):
+        with open(os.path.join(code_dir, "plan.json"), "w") as f:
+            f.write(resolved.to_json())
     return Compiled(graph, resolved, programs, paths, model_state(model, graph))
 
 
@@ -123,5 +128,5 @@ def parallelize(
                             timeout_s=60.0, device=device)
     compiled = compile_plan(model, example_inputs, plan, world_size=groups.world_size,
                             code_dir=code_dir, micro_batches=config.grad_accum,
-                            precision=config.precision)
+                            precision=config.precision, only_rank=groups.rank)
     return rank_module(compiled, groups, optimizer=optimizer, config=config)

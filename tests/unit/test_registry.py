@@ -39,7 +39,10 @@ def all_cases() -> dict[str, list[Case]]:
     return by_spec
 
 
-@pytest.mark.parametrize("op_name", sorted(REGISTRY.specs))
+BUILT_IN = sorted(n for n in REGISTRY.specs if n.startswith("aten."))  # user ops: test_custom_ops
+
+
+@pytest.mark.parametrize("op_name", BUILT_IN)
 def test_annotation_matches_op(op_name: str) -> None:
     cases = all_cases().get(op_name, [])
     assert cases, f"{op_name} is registered but no graph exercises it; add it to tests/unit/opzoo.py"

@@ -120,10 +120,11 @@ def render(prog: Program) -> str:
     args = ", ".join(i.local for i in prog.inputs)
     lines.append(f"def forward(rt, p, {args}):" if args else "def forward(rt, p):")
     lines.append(f'    """This rank\'s pieces of the forward pass; returns its loss term."""')
-    for prm in prog.params:
-        box = ", ".join(f"{a}:{b}" for a, b in prm.box)
-        lines.append(f"    {prm.local} = p[{prm.path!r}]  # [{box}] of {tuple(prm.full_shape)}")
-    for ins in prog.instrs:
+    first_use = _first_uses(prog)
+    for i, ins in enumerate(prog.instrs):
+        for prm in first_use.get(i, []):
+            box = ", ".join(f"{a}:{b}" for a, b in prm.box)
+            lines.append(f"    {prm.local} = p[{prm.path!r}]  # [{box}] of {tuple(prm.full_shape)}")
         if isinstance(ins, Compute):
             call = ", ".join([literal(a) for a in ins.args]
                              + [f"{k}={literal(v)}" for k, v in ins.kwargs.items()])
@@ -137,6 +138,32 @@ def render(prog: Program) -> str:
             lines.append(f"    del {', '.join(ins.names)}")
     lines.append(f"    return {prog.loss or 'None'}")
     return "\n".join(lines) + "\n"
+
+
+def _first_uses(prog: Program) -> dict[int, list]:
+    """Instruction index → parameters read there first (read each just in time,
+    so that a ZeRO-3 parameter is gathered when it is needed)."""
+    by_local = {p.local: p for p in prog.params}
+    seen: set[str] = set()
+    out: dict[int, list] = {}
+    for i, ins in enumerate(prog.instrs):
+        if isinstance(ins, Compute):
+            names = [a.name for a in _refs((ins.args, ins.kwargs))]
+        elif isinstance(ins, Comm):
+            names = [ins.src]
+        else:
+            names = []
+        for n in names:
+            if n in by_local and n not in seen:
+                seen.add(n)
+                out.setdefault(i, []).append(by_local[n])
+    return out
+
+
+def _refs(tree: Any) -> list[LocalRef]:
+    import torch.utils._pytree as pytree
+
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, LocalRef)]
 
 
 def _p2p_literal(step: P2P) -> str:

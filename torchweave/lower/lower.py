@@ -264,7 +264,7 @@ class Lowering:
 def _insert_frees(prog: Program) -> None:
     """``del`` each local tensor after its last use (keeps peak memory honest)."""
     last: dict[str, int] = {}
-    keep = {prog.loss} | {p.local for p in prog.params} | {i.local for i in prog.inputs}
+    keep = {prog.loss} | {i.local for i in prog.inputs}
     for i, ins in enumerate(prog.instrs):
         used: list[Any] = []
         if isinstance(ins, Compute):
