@@ -160,6 +160,12 @@ def _first_uses(prog: Program) -> dict[int, list]:
     return out
 
 
+def read_order(prog: Program) -> list[str]:
+    """Parameter paths in the order the generated ``forward`` first reads them."""
+    uses = _first_uses(prog)
+    return [prm.path for i in sorted(uses) for prm in uses[i]]
+
+
 def _refs(tree: Any) -> list[LocalRef]:
     import torch.utils._pytree as pytree
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
+from torchweave.codegen.render import read_order
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import ParamSlot, Program
 from torchweave.runtime.gradsync import GradSync
@@ -104,7 +105,8 @@ class RankModule:
         synced = [(p, s.grad_groups[0]) for p, s in trainable if s.grad_groups]
         self.opt = None
         if zero:
-            self.opt = ZeroOptimizer(gc, trainable, zero_group, stage=zero, factory=optimizer)
+            self.opt = ZeroOptimizer(gc, trainable, zero_group, stage=zero, factory=optimizer,
+                                     order=read_order(program))
             synced = [(p, g) for p, g in synced if not self.opt.owns(p)]
         rest = [p for p, _ in trainable if self.opt is None or not self.opt.owns(p)]
         self.optimizer = optimizer(rest) if rest else None
@@ -132,7 +134,7 @@ class RankModule:
             with self.opt.saved_tensor_hooks(self._cast):
                 return self.code.forward(self.rt, params, *inputs)
         finally:
-            self.opt.gathered.clear()
+            self.opt.end_forward()
 
     def train_step(self, *batch: torch.Tensor) -> float:
         """Forward, backward, gradient sync, clipping and optimizer step; the loss."""

@@ -1,22 +1,29 @@
 """ZeRO stages 1–3 over one group of ranks that hold the same parameter pieces.
 
-Every parameter piece replicated over the group is flattened, padded to a
-multiple of the group size and cut into one chunk per member. A member keeps
-fp32 master weights and optimizer state for its chunks only.
+Every parameter piece replicated over the group is owned. Owned pieces, in the
+order the generated code first reads them, are grouped into *units*: the
+pieces of one module block (``blocks.3.``), or consecutive pieces outside any
+numbered block, up to a byte budget. A unit is flattened, padded to a multiple
+of the group size and cut into one contiguous shard per member, so one
+all-gather rebuilds a whole unit and one reduce-scatter shards its gradient.
+A member keeps fp32 master weights and optimizer state for its shards only.
 
-- stage 1: gradients are all-reduced; each member updates its chunk;
-- stage 2: gradients are reduce-scattered, so a member keeps only its chunk;
-- stage 3: parameters too are kept as chunks; each is all-gathered when the
-  forward pass reads it, freed after, and gathered again when backward needs it.
+- stage 1: gradients are all-reduced; each member updates its shards;
+- stage 2: gradients are reduce-scattered, so a member keeps only its shards;
+- stage 3: parameters too are kept as shards; a unit is all-gathered when the
+  forward pass first reads one of its pieces (the next unit is prefetched),
+  released after, gathered again when backward needs it, and its gradient is
+  reduce-scattered asynchronously once all its pieces' gradients exist (see
+  :mod:`torchweave.runtime.zero3`).
 
-After the update, stages 1 and 2 all-gather the chunks back into the pieces.
-Collectives are bucketed: all chunks are laid out as one ``[group, C]`` buffer.
+After the update, stages 1 and 2 all-gather the shards back into the pieces.
+Stages 1 and 2 move all units in one collective: the units are laid out side by
+side as one ``[group, C]`` buffer (row k is member k's shard of every unit).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -26,51 +33,101 @@ from torchweave.runtime.comm import all_gather_single, reduce_scatter_single
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
 
+UNIT_BYTES = 32 * 2**20
+"""Most fp32 bytes in one unit (a unit never splits a piece)."""
 
-class _Chunked:
-    """Layout of every owned piece inside the ``[group, C]`` buffer."""
 
-    def __init__(self, pieces: list[torch.Tensor], size: int) -> None:
+def unit_key(path: str) -> str:
+    """Pieces with the same key may share a unit: the path up to its first
+    numbered part (``blocks.3.attn.q_proj.weight`` → ``blocks.3``), else ``""``."""
+    parts = path.split(".")
+    for j, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:j + 1])
+    return ""
+
+
+class _Units:
+    """Layout of the owned pieces: units, each one flat buffer cut into ``size`` shards."""
+
+    def __init__(self, pieces: list[torch.Tensor], keys: list[str], size: int,
+                 budget: int = UNIT_BYTES) -> None:
+        self.size = size
         self.shapes = [tuple(p.shape) for p in pieces]
         self.numels = [p.numel() for p in pieces]
-        self.cols = [math.ceil(n / size) for n in self.numels]
-        self.offsets = [sum(self.cols[:i]) for i in range(len(pieces))]
-        self.size = size
+        self.units: list[list[int]] = []
+        """Piece indices of each unit (consecutive)."""
+        key, used = None, 0
+        for i, k in enumerate(keys):
+            nbytes = 4 * self.numels[i]
+            if not self.units or k != key or (used + nbytes > budget and used):
+                self.units.append([])
+                key, used = k, 0
+            self.units[-1].append(i)
+            used += nbytes
+        self.unit_of = [0] * len(pieces)
+        self.pos = [0] * len(pieces)
+        """Index of the piece inside its unit."""
+        self.offsets = [0] * len(pieces)
+        """Offset of the piece inside its unit's flat buffer."""
+        self.cols, self.starts = [], []
+        """Shard length of each unit, and where it starts in a member's row."""
+        for u, idx in enumerate(self.units):
+            off = 0
+            for k, i in enumerate(idx):
+                self.unit_of[i], self.pos[i], self.offsets[i] = u, k, off
+                off += self.numels[i]
+            self.starts.append(sum(self.cols))
+            self.cols.append(math.ceil(off / size))
         self.total = sum(self.cols)
 
+    def flat(self, u: int, tensors: list[torch.Tensor | None], *,
+             dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+        """Unit ``u``'s pieces (``None``: zeros) → its padded flat buffer."""
+        buf = torch.empty(self.cols[u] * self.size, dtype=dtype, device=device)
+        end = 0
+        for i, t in zip(self.units[u], tensors):
+            o, n = self.offsets[i], self.numels[i]
+            if t is None:
+                buf[o:o + n].zero_()
+            else:
+                buf[o:o + n].view(self.shapes[i]).copy_(t)
+            end = o + n
+        buf[end:].zero_()
+        return buf
+
+    def pieces(self, u: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of unit ``u``'s pieces in its flat buffer."""
+        return [flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
+                for i in self.units[u]]
+
     def to_rows(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Pieces → ``[group, C]`` (row k is member k's chunk of every piece)."""
-        rows = []
-        for t, n, c in zip(tensors, self.numels, self.cols):
-            flat = torch.nn.functional.pad(t.reshape(-1).float(), (0, c * self.size - n))
-            rows.append(flat.view(self.size, c))
-        return torch.cat(rows, dim=1)
+        """Pieces → ``[group, C]`` (row k is member k's shard of every unit)."""
+        dev = tensors[0].device if tensors else None
+        rows = torch.empty(self.size, self.total, dtype=torch.float32, device=dev)
+        for u, idx in enumerate(self.units):
+            s, c = self.starts[u], self.cols[u]
+            rows[:, s:s + c] = self.flat(u, [tensors[i] for i in idx], device=dev).view(self.size, c)
+        return rows
 
     def from_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for shape, n, c, o in zip(self.shapes, self.numels, self.cols, self.offsets):
-            out.append(rows[:, o:o + c].reshape(-1)[:n].view(shape))
+        out: list[torch.Tensor] = []
+        for u in range(len(self.units)):
+            s, c = self.starts[u], self.cols[u]
+            out += self.pieces(u, rows[:, s:s + c].reshape(-1))
         return out
 
-
-class _Gather(torch.autograd.Function):
-    """Stage 3: chunk → full piece; backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, chunk: torch.Tensor, zero: "ZeroOptimizer", i: int) -> torch.Tensor:
-        ctx.zero, ctx.i = zero, i
-        return zero.gather_one(chunk, i)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        zero, i = ctx.zero, ctx.i
-        c, n = zero.layout.cols[i], zero.layout.numels[i]
-        flat = torch.nn.functional.pad(grad.reshape(-1).float(), (0, c * zero.size - n))
-        out = torch.empty(c, dtype=flat.dtype, device=flat.device)
-        zero.gc.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, zero.group,
-                               flat.numel() * flat.element_size())
-        reduce_scatter_single(out, flat.contiguous(), group=zero.pg)
-        return out, None, None
+    def segments(self, index: int) -> list[tuple[int, int, int]]:
+        """``(start, end, piece)`` spans of member ``index``'s row that hold a piece."""
+        out = []
+        for u, idx in enumerate(self.units):
+            lo, c = index * self.cols[u], self.cols[u]
+            for i in idx:
+                a = max(self.offsets[i], lo)
+                b = min(self.offsets[i] + self.numels[i], lo + c)
+                if a < b:
+                    out.append((self.starts[u] + a - lo, self.starts[u] + b - lo, i))
+        return out
 
 
 class ZeroOptimizer:
@@ -78,69 +135,57 @@ class ZeroOptimizer:
 
     def __init__(self, gc: GroupCache, trainable: list[tuple[torch.Tensor, Any]],
                  group: tuple[int, ...] | None, *, stage: int,
-                 factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+                 factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                 order: list[str] | None = None) -> None:
+        """``order``: parameter paths in the order the forward first reads them."""
         assert group is not None and gc.rank in group
         self.gc, self.group, self.stage = gc, tuple(group), stage
         self.pg = gc.get(self.group)
         self.size, self.index = len(group), list(group).index(gc.rank)
-        self.owned = [p for p, slot in trainable if self.group in slot.grad_groups]
-        self.replicas = [slot.replicas for p, slot in trainable if self.group in slot.grad_groups]
+        owned = [(p, slot) for p, slot in trainable if self.group in slot.grad_groups]
+        if order:
+            first = {path: k for k, path in enumerate(order)}
+            owned.sort(key=lambda ps: first.get(ps[1].path, len(first)))
+        self.owned = [p for p, _ in owned]
+        self.replicas = [slot.replicas for _, slot in owned]
         self._owned_ids = {id(p): i for i, p in enumerate(self.owned)}
-        self.layout = _Chunked(self.owned, self.size)
+        self.layout = _Units(self.owned, [unit_key(slot.path) for _, slot in owned], self.size)
         rows = self.layout.to_rows([p.detach() for p in self.owned])
         self.master = rows[self.index].clone().requires_grad_(True)
         self.inner = factory([self.master])
-        self.sync_enabled = True
         self.dtypes = [p.dtype for p in self.owned]
-        self.gathered: dict[int, tuple[Any, int]] = {}
-        """id → (weakref, piece index) of stage-3 pieces gathered in this forward."""
+        self._segments = self.layout.segments(self.index)
+        self.stage3 = None
         if stage == 3:
+            from torchweave.runtime.zero3 import Stage3
+
+            self.stage3 = Stage3(self)
             for p in self.owned:  # the pieces themselves are no longer kept
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def owns(self, p: torch.Tensor) -> bool:
         return id(p) in self._owned_ids
 
-    # ------------------------------------------------------------ stage 3 forward
-    def gather_one(self, chunk: torch.Tensor, i: int) -> torch.Tensor:
-        c, n = self.layout.cols[i], self.layout.numels[i]
-        full = torch.empty(c * self.size, dtype=chunk.dtype, device=chunk.device)
-        self.gc.counter.record(CommKind.ALL_GATHER, Direction.FORWARD, self.group,
-                               full.numel() * full.element_size())
-        all_gather_single(full, chunk.contiguous(), group=self.pg)
-        return full[:n].view(self.layout.shapes[i]).to(self.dtypes[i])
-
+    # ------------------------------------------------------------ forward
     def view(self, params: dict[str, torch.Tensor], cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        if self.stage < 3:
+        if self.stage3 is None:
             return {k: cast(v) for k, v in params.items()}
-        return _LazyParams(self, params, cast)
+        return self.stage3.begin_forward(params, cast)
 
     def saved_tensor_hooks(self, cast: Callable[[torch.Tensor], torch.Tensor]):
-        """Stage 3: save gathered pieces as their index; gather again in backward."""
+        """Stage 3: save gathered pieces as a place in their unit; gather again in backward."""
+        assert self.stage3 is not None
+        return self.stage3.saved_tensor_hooks()
 
-        def pack(t: torch.Tensor) -> Any:
-            entry = self.gathered.get(id(t))
-            if entry is not None and entry[0]() is t:
-                return ("zero3", entry[1])
-            return t
-
-        def unpack(x: Any) -> torch.Tensor:
-            if isinstance(x, tuple) and x and x[0] == "zero3":
-                i = x[1]
-                with torch.no_grad():
-                    return cast(self.gather_one(self.chunk_of(i).detach(), i))
-            return x
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-    def chunk_of(self, i: int) -> torch.Tensor:
-        o, c = self.layout.offsets[i], self.layout.cols[i]
-        return self.master[o:o + c]
+    def end_forward(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.end_forward()
 
     # ------------------------------------------------------------ gradients and step
     def finish_grads(self) -> None:
-        if self.stage == 3:
-            return  # _Gather's backward already reduce-scattered into master.grad
+        if self.stage3 is not None:
+            self.stage3.finish_grads()  # waits for the reduce-scatters backward started
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.owned]
         rows = self.layout.to_rows(grads)
         nbytes = rows.numel() * rows.element_size()
@@ -162,9 +207,11 @@ class ZeroOptimizer:
         sq = torch.zeros((), dtype=torch.float64, device=self.master.device)
         if g is None:
             return sq
-        for i, reps in enumerate(self.replicas):
-            o, c = self.layout.offsets[i], self.layout.cols[i]
-            sq += g[o:o + c].double().pow(2).sum() * (self.size / reps)
+        weights = {self.size / r for r in self.replicas}
+        if len(weights) == 1:  # padding holds zero gradients: sum the whole row
+            return sq + g.double().pow(2).sum() * weights.pop()
+        for a, b, i in self._segments:
+            sq += g[a:b].double().pow(2).sum() * (self.size / self.replicas[i])
         return sq
 
     def scale_grads(self, factor: float) -> None:
@@ -182,7 +229,7 @@ class ZeroOptimizer:
                 p.copy_(full)
 
     def _gather_rows(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Every member's ``[C]`` chunk → ``[group, C]``."""
+        """Every member's ``[C]`` row → ``[group, C]``."""
         flat = torch.empty(self.size * self.layout.total, dtype=chunk.dtype, device=chunk.device)
         self.gc.counter.record(CommKind.ALL_GATHER, Direction.FORWARD, self.group,
                                flat.numel() * flat.element_size())
@@ -193,36 +240,13 @@ class ZeroOptimizer:
     def full_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.stage < 3:
             return params
-        out = dict(params)
-        with torch.no_grad():
-            for path, p in params.items():
-                if self.owns(p):
-                    i = self._owned_ids[id(p)]
-                    out[path] = self.gather_one(self.chunk_of(i).detach(), i)
-        return out
+        fulls = self.layout.from_rows(self._gather_rows(self.master.detach()))
+        return {path: fulls[self._owned_ids[id(p)]].to(p.dtype) if self.owns(p) else p
+                for path, p in params.items()}
 
     def full_grads(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
-        """Gradients of every piece (owned ones gathered from their chunks)."""
+        """Gradients of every piece (owned ones gathered from their shards)."""
         rows = self._gather_rows(self.master.grad)
         fulls = self.layout.from_rows(rows)
         return {path: fulls[self._owned_ids[id(p)]] if self.owns(p) else p.grad
                 for path, p in params.items()}
-
-
-class _LazyParams(dict):
-    """Stage 3: reading an owned parameter gathers it (differentiably)."""
-
-    def __init__(self, zero: ZeroOptimizer, params: dict[str, torch.Tensor],
-                 cast: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__(params)
-        self.zero, self.cast = zero, cast
-
-    def __getitem__(self, path: str) -> torch.Tensor:
-        p = super().__getitem__(path)
-        z = self.zero
-        if not z.owns(p):
-            return self.cast(p)
-        i = z._owned_ids[id(p)]
-        full = self.cast(_Gather.apply(z.chunk_of(i), z, i))
-        z.gathered[id(full)] = (weakref.ref(full), i)
-        return full
