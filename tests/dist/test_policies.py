@@ -78,8 +78,12 @@ def test_tp_runs_one_all_reduce_per_attention_and_mlp_each_way() -> None:
     assert fwd == expected, fwd
     assert bwd == expected, bwd
     live = reports(2)[("gpt-tiny", "tp")].comm
-    # blocks + the vocabulary-parallel embedding's sum; backward: blocks + the LM head's input
-    assert live["all_reduce/fwd"] == 2 * n_layer + 1, live
+    # forward: the blocks, the vocabulary-parallel embedding's sum, and the
+    # vocabulary-parallel cross-entropy (max and sum of its log-sum-exp, the
+    # target logit); no all-gather of the logits. Backward: the blocks and the
+    # LM head's input.
+    assert live["all_reduce/fwd"] == 2 * n_layer + 1 + 3, live
+    assert "all_gather/fwd" not in live, live
     assert live["all_reduce/bwd"] == 2 * n_layer + 1, live
 
 

@@ -155,6 +155,17 @@ class InternalOps(nn.Module):
         return q, v, s
 
 
+class Losses(nn.Module):
+    """Cross-entropy forms that capture keeps as one op (per-token, or with a
+    spatial axis); the mean and sum over ``[n, classes]`` are rewritten."""
+
+    def forward(self, x, t):
+        # x [B T D] as (batch, classes, positions); t [B D]
+        each = torch.nn.functional.cross_entropy(x, t, reduction="none")
+        flat = torch.nn.functional.cross_entropy(x[:, :, 0], t[:, 0], reduction="none")
+        return each, flat
+
+
 def zoo_cases() -> list[Case]:
     """Every op call of every zoo, on the tensors the captured graphs see."""
     with torch.random.fork_rng(devices=[]):  # seeded here, the global RNG left as it was
@@ -172,6 +183,7 @@ def _cases() -> list[Case]:
         (Contractions(), (x, torch.randn(B, D, T))),
         (Factories(), (x,)),
         (InternalOps(), (x,)),
+        (Losses(), (x, torch.randint(0, T, (B, D)))),
     ]
     cases: list[Case] = []
     for model, inputs in zoos:

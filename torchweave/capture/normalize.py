@@ -4,9 +4,12 @@
   contraction dimension can be split (row-parallel) without adding the bias
   once per piece.
 - ``addmm(b, x, w)`` becomes ``mm(x, w)`` then ``add(·, b)``, likewise.
-- ``cross_entropy(…, reduction='mean')`` becomes a sum of losses divided by the
-  number of counted targets, so that splitting the batch gives partial sums
-  that add up exactly, whatever ``ignore_index`` removes from each piece.
+- ``cross_entropy(x, t)`` (mean or sum, over ``[n, classes]``) becomes
+  ``logsumexp(x) − x[t]`` per row, kept where ``t != ignore_index``, summed
+  (and, for the mean, divided by the number of counted targets). Splitting the
+  batch gives partial sums that add up exactly whatever ``ignore_index``
+  removes from each piece, and splitting the classes gives a vocabulary-
+  parallel cross-entropy: partial log-sum-exps and partial target logits.
 """
 
 from __future__ import annotations
@@ -73,21 +76,32 @@ def _mean_cross_entropy(graph: Graph, node: Node) -> list[Node]:
     a = dict(zip(names, defaults))
     a.update(zip(names, node.args))
     a.update(node.kwargs)
-    if a["reduction"] != _MEAN or a["weight"] is not None or a["label_smoothing"] != 0.0:
+    x, t, ignore = a["input"], a["target"], a["ignore_index"]
+    if a["reduction"] not in (_MEAN, _SUM) or a["weight"] is not None \
+            or a["label_smoothing"] != 0.0 or len(graph.values[x.name].meta.shape) != 2:
         return [node]
     loss = graph.values[node.outputs[0]].meta
-    x, t, ignore = a["input"], a["target"], a["ignore_index"]
+    n = graph.values[t.name].meta.shape[0]
     tmeta = graph.values[t.name].meta
-    total = _derived(
-        graph, node, "sum", "aten.cross_entropy_loss.default",
-        (x, t, None, _SUM, ignore, 0.0), {}, loss,
-    )
-    valid = _derived(
-        graph, node, "valid", "aten.ne.Scalar", (t, ignore), {},
-        TensorMeta(tmeta.shape, torch.bool),
-    )
-    count = _derived(
-        graph, node, "count", "aten.sum.default", (Ref(valid.name),), {"dtype": loss.dtype}, loss
-    )
+    row = TensorMeta((n,), loss.dtype)
+    lse = _derived(graph, node, "lse", "aten.logsumexp.default", (x, [1], False), {}, row)
+    valid = _derived(graph, node, "valid", "aten.ne.Scalar", (t, ignore), {},
+                     TensorMeta(tmeta.shape, torch.bool))
+    safe = _derived(graph, node, "safe", "aten.mul.Tensor", (t, Ref(valid.name)), {}, tmeta)
+    index = _derived(graph, node, "index", "aten.unsqueeze.default", (Ref(safe.name), 1), {},
+                     TensorMeta((n, 1), tmeta.dtype))
+    picked = _derived(graph, node, "picked", "aten.gather.default", (x, 1, Ref(index.name)), {},
+                      TensorMeta((n, 1), loss.dtype))
+    flat = _derived(graph, node, "target_logit", "aten.view.default", (Ref(picked.name), [n]), {},
+                    row)
+    each = _derived(graph, node, "each", "aten.sub.Tensor", (Ref(lse.name), Ref(flat.name)), {}, row)
+    kept = _derived(graph, node, "kept", "aten.mul.Tensor", (Ref(each.name), Ref(valid.name)), {}, row)
+    nodes = [lse, valid, safe, index, picked, flat, each, kept]
+    if a["reduction"] == _SUM:
+        node.target, node.args, node.kwargs = "aten.sum.default", (Ref(kept.name),), {}
+        return nodes + [node]
+    total = _derived(graph, node, "sum", "aten.sum.default", (Ref(kept.name),), {}, loss)
+    count = _derived(graph, node, "count", "aten.sum.default", (Ref(valid.name),),
+                     {"dtype": loss.dtype}, loss)
     node.target, node.args, node.kwargs = "aten.div.Tensor", (Ref(total.name), Ref(count.name)), {}
-    return [total, valid, count, node]
+    return nodes + [total, count, node]

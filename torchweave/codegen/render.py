@@ -74,7 +74,8 @@ def _group(prog: Program, groups: tuple[Group, ...]) -> str:
 def _comm_line(prog: Program, c: Comm) -> str:
     s, x, y = c.step, c.src, c.dst
     if isinstance(s, AllReduce):
-        call = f"C.all_reduce(rt.gc, {x}, {_group(prog, s.groups)}, bwd={s.bwd!r})"
+        fn = "all_reduce" if s.op == "sum" else "all_reduce_lse"
+        call = f"C.{fn}(rt.gc, {x}, {_group(prog, s.groups)}, bwd={s.bwd!r})"
     elif isinstance(s, ReduceScatter):
         call = f"C.reduce_scatter(rt.gc, {x}, {_group(prog, s.groups)}, {s.axis})"
     elif isinstance(s, AllGather):

@@ -109,7 +109,10 @@ def _reduce(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
             if len(s) != count:
                 return None
             groups.append(tuple(sorted(s.values())))
-    axis = _scatter_axis(groups, held, dst)
+    op = next(iter(held.values())).reduce
+    if any(p.reduce != op for p in held.values()):
+        return None
+    axis = _scatter_axis(groups, held, dst) if op == "sum" else None
     if axis is not None:
         for g in groups:
             for k, d in enumerate(g):
@@ -118,7 +121,7 @@ def _reduce(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
     for g in groups:
         for d in g:
             held[d] = Piece(held[d].box)
-    return AllReduce(tuple(groups))
+    return AllReduce(tuple(groups), op=op)
 
 
 def _chunk(box: Box, axis: int, k: int, n: int) -> Box:
@@ -324,6 +327,14 @@ def _local(box: Box, origin: Box) -> Box:
 
 def _p2p(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need]) -> Derivation:
     """Every needed region from one holder per partial term; grads to all holders."""
+    if any(p.reduce != "sum" for p in src.values()):
+        from torchweave.errors import Problem, TorchweaveError
+
+        raise TorchweaveError(Problem(
+            obj="partial log-sum-exp", value=f"held as {sorted(src.items())[:2]}...",
+            rule="log-sum-exp terms are combined over regular groups only",
+            fix="split the log-sum-exp's input the same way on every device of a group",
+        ))
     transfers: list[Transfer] = []
     back: list[Transfer] = []
     for d in sorted(dst):

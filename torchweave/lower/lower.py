@@ -146,7 +146,9 @@ class Lowering:
         for j, (out, meta) in enumerate(zip(node.outputs, outs)):
             if not out:
                 continue
-            self.held[out] = {d: output_piece(bound, bound.annotation.outputs[j], meta.shape, ps[0])
+            reduce = "lse" if spec is not None and spec.partial == "lse" else "sum"
+            self.held[out] = {d: output_piece(bound, bound.annotation.outputs[j], meta.shape, ps[0],
+                                              reduce)
                               for d, ps in by_device.items()}
             for d in by_device:
                 self.local[(out, d)] = out

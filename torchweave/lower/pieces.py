@@ -59,14 +59,16 @@ def tensor_box(bound: Bound, spec: TensorSpec, shape: tuple[int, ...], piece: Pi
     return tuple(box)
 
 
-def output_piece(bound: Bound, spec: TensorSpec, shape: tuple[int, ...], piece: PieceInfo) -> Piece:
-    """The output piece: its box, and which partial term it is."""
+def output_piece(bound: Bound, spec: TensorSpec, shape: tuple[int, ...], piece: PieceInfo,
+                 reduce: str = "sum") -> Piece:
+    """The output piece: its box, which partial term it is, and how terms combine."""
     names = set(spec.names()) if not spec.opaque else set()
     index, count = 0, 1
     for dim, (k, n) in sorted(piece.chunks.items()):
         if bound.dim(dim).kind == "reduce" and dim not in names:
             index, count = index * n + k, count * n
-    return Piece(tensor_box(bound, spec, shape, piece), (index, count))
+    return Piece(tensor_box(bound, spec, shape, piece), (index, count),
+                 reduce if count > 1 else "sum")
 
 
 def local_shape(box: Box) -> list[int]:

@@ -34,14 +34,14 @@ Box = tuple[tuple[int, int], ...]
 class AllReduce:
     groups: tuple[Group, ...]
     bwd: Literal["identity", "all_reduce"] = "identity"
-    op: Literal["sum", "avg"] = "sum"
+    op: Literal["sum", "lse"] = "sum"
+    """``lse``: the terms are partial log-sum-exps (backward scales by their softmax)."""
 
 
 @dataclass(frozen=True)
 class ReduceScatter:
     groups: tuple[Group, ...]
     axis: int
-    op: Literal["sum", "avg"] = "sum"
 
 
 @dataclass(frozen=True)

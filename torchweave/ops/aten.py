@@ -206,6 +206,29 @@ def _sum(call: Call, mark: str = "+") -> str:
 
 op(["aten.sum.dim_IntList", "aten.sum.default"], _sum)
 op(["aten.mean.dim", "aten.mean.default"], _sum, partial="avg")
+op("aten.logsumexp", _sum, partial="lse", flops_per_point=3.0)
+
+
+def _gather(call: Call) -> str:
+    """``x.gather(dim, index)``: split the gathered dim and each piece gathers
+    only the indices it holds (zeros elsewhere): partial sums."""
+    dim = norm_dim(call.arg(1, "dim"), call.rank)
+    xs, idx = call.inputs[0].shape, call.inputs[1].shape
+    x, i = [], []
+    for d, (a, b) in enumerate(zip(xs, idx)):
+        if d == dim:
+            x.append("c+")
+            i.append("i^")
+        elif a == b:
+            x.append(LETTERS[d])
+            i.append(LETTERS[d])
+        else:
+            x.append(f"x{d}^")
+            i.append(f"i{d}^")
+    return f"{join(x, i)} -> {join(i)}"
+
+
+op("aten.gather", _gather, flops_per_point=0.0, local=kernels.gather_local)
 op(["aten.amax", "aten.amin", "aten.argmax", "aten.argmin", "aten.max.dim", "aten.min.dim",
     "aten.var.correction", "aten.std.correction", "aten.all", "aten.any"],
    lambda c: _sum(c, "^"))
@@ -330,7 +353,7 @@ def _index(call: Call) -> str:
 
 op("aten.index.Tensor", _index, flops_per_point=0.0)
 op(["aten.arange", "aten.zeros", "aten.ones", "aten.full", "aten.empty", "aten.scalar_tensor",
-    "aten.gather", "aten.scatter", "aten.scatter_add", "aten.repeat"],
+    "aten.scatter", "aten.scatter_add", "aten.repeat"],
    rules.outputs_only, flops_per_point=0.0)
 op(["aten.new_ones", "aten.new_zeros", "aten.new_full", "aten.new_empty"],
    lambda c: rules.outputs_only(c).replace("?", "*", 1), flops_per_point=0.0)

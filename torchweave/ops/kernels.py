@@ -32,3 +32,21 @@ def vocab_local(args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, index
     weight, indices = args[0], args[1]
     offset = index * (sizes["v"] // split.parts)
     return vocab_embedding, (weight, indices, offset), {}
+
+
+def vocab_gather(x: torch.Tensor, dim: int, index: torch.Tensor, offset: int) -> torch.Tensor:
+    """``x.gather(dim, index)`` on a shard holding entries ``[offset, offset + len)``
+    of ``dim``; indices outside the shard give zeros (a partial sum)."""
+    local = index - offset
+    inside = (local >= 0) & (local < x.shape[dim])
+    out = x.gather(dim, torch.where(inside, local, torch.zeros_like(local)))
+    return out * inside.to(out.dtype)
+
+
+def gather_local(args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, index: int,
+                 sizes: dict[str, int]):
+    """Piece rewrite of ``aten.gather`` when the gathered dim is split."""
+    if split.dim != "c":
+        return None
+    x, dim, idx = args[0], args[1], args[2]
+    return vocab_gather, (x, dim, idx, index * (sizes["c"] // split.parts)), {}

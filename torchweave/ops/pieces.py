@@ -84,7 +84,8 @@ def combine(bound: Bound, split: Split, pieces: list[list[torch.Tensor]], partia
         if axis is not None:
             out.append(torch.cat(parts, dim=axis))
         elif split.kind == "reduce" and not spec.opaque:
-            total = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
+            stacked = torch.stack([p.to(torch.float64) for p in parts])
+            total = torch.logsumexp(stacked, 0) if partial == "lse" else stacked.sum(0)
             if partial == "avg":
                 total = total / split.parts
             out.append(total.to(parts[0].dtype))

@@ -49,8 +49,9 @@ class OpSpec:
     """Qualified op name or overload packet."""
     annotation: str | Rule
     """The annotation, or a rule that returns it for a call."""
-    partial: Literal["sum", "avg"] = "sum"
-    """How partial outputs of a split reduction combine."""
+    partial: Literal["sum", "avg", "lse"] = "sum"
+    """How partial outputs of a split reduction combine: add, average, or
+    log-sum-exp (``log Σ exp``)."""
     flops: Callable[[Call, Any], float] | None = None
     """FLOPs of one forward call; default: ``flops_per_point`` × iteration space
     for ops with a reduction, else × the largest output."""

@@ -21,7 +21,9 @@ class Piece:
 
     box: tuple[Range, ...]
     partial: tuple[int, int] = (0, 1)
-    """(index, count): this piece is one of ``count`` terms that sum to the value."""
+    """(index, count): this piece is one of ``count`` terms that make the value."""
+    reduce: str = "sum"
+    """How the terms combine: ``sum``, or ``lse`` (log-sum-exp)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -36,7 +38,8 @@ class Piece:
 
     def __str__(self) -> str:
         box = ",".join(f"{a}:{b}" for a, b in self.box)
-        part = f" P{self.partial[0]}/{self.partial[1]}" if self.is_partial else ""
+        kind = "" if self.reduce == "sum" else f"({self.reduce})"
+        part = f" P{kind}{self.partial[0]}/{self.partial[1]}" if self.is_partial else ""
         return f"[{box}]{part}"
 
 

@@ -153,6 +153,29 @@ class _AllReduce(torch.autograd.Function):
         return (_raw_all_reduce(ctx.g, dy, BWD) if ctx.bwd_reduce else dy), None, None
 
 
+class _AllReduceLSE(torch.autograd.Function):
+    """Partial log-sum-exps → the log-sum-exp: ``m + log Σ exp(x − m)``, m the max."""
+
+    @staticmethod
+    def forward(ctx, x, g: _Group, bwd_reduce: bool):
+        m = x.detach().clone()
+        g.record(CommKind.ALL_REDUCE, FWD, m)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=g.pg)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        out = m + torch.log(_raw_all_reduce(g, torch.exp(x - m), FWD))
+        ctx.g, ctx.bwd_reduce = g, bwd_reduce
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, out = ctx.saved_tensors
+        if ctx.bwd_reduce:
+            dy = _raw_all_reduce(ctx.g, dy, BWD)
+        return dy * torch.exp(x - out), None, None
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, g: _Group, axis: int, bwd_reduce: bool):
@@ -234,6 +257,14 @@ def all_reduce(gc: GroupCache, x: torch.Tensor, group: Sequence[int], *,
     """Sum over the group (P -> R). ``bwd``: identity (R-grad), or all-reduce."""
     _check_choice("all_reduce bwd", bwd, ("identity", "all_reduce"))
     return _AllReduce.apply(x, _resolve(gc, group, "all_reduce"), bwd == "all_reduce")
+
+
+def all_reduce_lse(gc: GroupCache, x: torch.Tensor, group: Sequence[int], *,
+                   bwd: Literal["identity", "all_reduce"] = "identity") -> torch.Tensor:
+    """Combine partial log-sum-exps over the group (P(lse) -> R); backward scales
+    each term's gradient by its share ``exp(x − result)``."""
+    _check_choice("all_reduce_lse bwd", bwd, ("identity", "all_reduce"))
+    return _AllReduceLSE.apply(x, _resolve(gc, group, "all_reduce_lse"), bwd == "all_reduce")
 
 
 def all_gather(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int, *,

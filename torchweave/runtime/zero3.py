@@ -4,9 +4,10 @@ Forward. The generated code reads ``p['path']`` just before a parameter's first
 use and deletes it after its last. The first read of any piece of a unit
 all-gathers the whole unit (or waits for its prefetch) through one autograd
 node, :class:`_GatherUnit`, whose outputs are views of the gathered buffer;
-the next unit's all-gather starts at once, asynchronously. The two most recent
-units stay cached for further reads; older ones are released as soon as the
-generated code drops its references.
+the next unit's all-gather starts at once, asynchronously. Units are laid out
+in first-read order, so opening unit u + 1 means every piece of unit u has
+been read: u's buffer is released as soon as the generated code drops its
+views (a piece read again later is gathered again).
 
 Backward. Saved-tensor hooks save any view of a gathered unit as its place in
 the unit, so the full parameters are not kept alive between the passes. The
@@ -37,8 +38,8 @@ from torchweave.runtime.counter import CommKind, Direction
 
 _TAG = object()
 """Marks a saved tensor stored as its place in a gathered unit."""
-KEEP = 2
-"""Units cached per pass, and reduce-scatters left in flight."""
+KEEP = 1
+"""Units cached in backward, and reduce-scatters left in flight."""
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -69,8 +70,8 @@ class Stage3:
         """unit → (work, buffer, shard) of an all-gather in flight."""
         self.pending: collections.deque = collections.deque()
         """(unit, shard gradient, flat gradient, work) of reduce-scatters in flight."""
-        self.live: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.recent: collections.deque = collections.deque()
+        self.current: tuple[int, tuple[torch.Tensor, ...]] | None = None
+        """The unit the forward reads now, and its pieces."""
         self.done: set[int] = set()
         self.bases: dict[int, tuple[Any, int]] = {}
         """id(gathered buffer) → (weakref, unit), for this forward's buffers."""
@@ -121,8 +122,7 @@ class Stage3:
         self._drain(0)
         self._wait_prefetches()
         self.bwd.clear()
-        self.live.clear()
-        self.recent.clear()
+        self.current = None
         self.done.clear()
         self.bases.clear()
         self.saved = []
@@ -134,17 +134,12 @@ class Stage3:
 
     def piece(self, i: int) -> torch.Tensor:
         u = self.L.unit_of[i]
-        outs = self.live.get(u)
-        if outs is None:
-            outs = _GatherUnit.apply(self.z.master, self, u)
-            self.live[u] = outs
-            self.recent.append(u)
-            while len(self.recent) > KEEP:
-                self.live.pop(self.recent.popleft(), None)
+        if self.current is None or self.current[0] != u:
+            self.current = (u, _GatherUnit.apply(self.z.master, self, u))
             self.done.add(u)
             if u + 1 < self.n_units and u + 1 not in self.done:
                 self._prefetch(u + 1, Direction.FORWARD)
-        return outs[self.L.pos[i]]
+        return self.current[1][self.L.pos[i]]
 
     def unit_pieces(self, u: int) -> list[torch.Tensor]:
         """Called by :class:`_GatherUnit`: gather unit ``u``; views of its pieces."""
@@ -156,13 +151,13 @@ class Stage3:
         return pieces
 
     def end_forward(self) -> None:
-        """Release the forward's units; hand the last ones (if saved) to backward."""
+        """Release the forward's units; hand the last one (if saved) to backward."""
         self._wait_prefetches()
-        for u in self.recent:
+        if self.current is not None:
+            u, outs = self.current
             if u in self.saved and self.dtypes[u] is not None:
-                self.bwd[u] = self.live[u][0]._base
-        self.live.clear()
-        self.recent.clear()
+                self.bwd[u] = outs[0]._base
+        self.current = None
         self.bwd_seen.clear()
 
     # ------------------------------------------------------------ backward
