@@ -50,29 +50,36 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
         dst = {d: Need(n.box, 0) for d, n in dst.items()}
     held = dict(src)
     steps: list[Step] = []
+
+    def fallback() -> Derivation:
+        """Point-to-point from where the regular steps so far have left things."""
+        tail = _p2p(shape, held, dst)
+        return Derivation(steps + tail.steps, (), tail.result)
+
     if any(d not in held for d in dst):
-        return _p2p(shape, src, dst)
+        return fallback()
     if any(p.is_partial for p in held.values()):
         step = _reduce(held, dst)
         if step is None:
-            return _p2p(shape, src, dst)
+            return fallback()
         steps.append(step)
     for _ in range(len(shape) + 1):
         if all(held[d].contains(n.box) for d, n in dst.items()):
             break
         step = _gather(held, dst)
         if step is None:
-            return _p2p(shape, src, dst)
+            return fallback()
         steps.append(step)
     else:
-        return _p2p(shape, src, dst)
-    cut = _cut(held, dst)
+        return fallback()
+    cut = _cut(dict(held), dst)
     if cut is None:
-        return _p2p(shape, src, dst)
-    steps.extend(cut)
+        return fallback()
+    cut_steps, held = cut
+    steps.extend(cut_steps)
     groups = _sum_groups(dst)
     if groups is None:
-        return _p2p(shape, src, dst)
+        return fallback()
     out = Derivation(steps, (), held)
     if groups:
         last = steps[-1] if steps else None
@@ -230,11 +237,12 @@ def _all_to_all(groups, held, gathered, dst, axis):
     return None
 
 
-def _cut(held: dict[int, Piece], dst: dict[int, Need]) -> list[Step] | None:
-    """Slice held pieces down to the needed boxes."""
+def _cut(held: dict[int, Piece], dst: dict[int, Need]
+         ) -> tuple[list[Step], dict[int, Piece]] | None:
+    """Slice held pieces (a copy) down to the needed boxes; the steps and the result."""
     need_cut = {d for d, n in dst.items() if held[d].box != n.box}
     if not need_cut:
-        return []
+        return [], held
     steps: list[Step] = []
     while need_cut:
         split = _split_groups(held, dst, need_cut)
@@ -259,7 +267,7 @@ def _cut(held: dict[int, Piece], dst: dict[int, Need]) -> list[Step] | None:
             boxes.append((d, local))
             held[d] = Piece(dst[d].box)
         steps.append(Narrow(tuple(boxes)))
-    return steps
+    return steps, held
 
 
 def _split_groups(held, dst, need_cut) -> tuple[int, list[Group]] | None:

@@ -175,49 +175,29 @@ class Lowering:
 
     # ------------------------------------------------------------ communication
     def _provide(self, value: str, needs: dict[int, Need], node: Node) -> dict[int, str]:
-        """Local names, per device, of ``value`` laid out as ``needs`` asks."""
-        v = self.graph.values[value]
-        if v.kind in ("param", "buffer"):
-            return self._provide_param(value, needs, node)
-        src = self.held[value]
-        key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
-        if key in self.cache:
-            return {d: self.cache[key][1] for d in needs}
-        meta = v.meta
-        der = derive(meta.shape, src, needs, differentiable=meta.dtype.is_floating_point)
-        if not der.steps:
-            names = {d: self.local[(value, d)] for d in needs}
-            return names
-        current = {d: self.local.get((value, d), value) for d in src}
-        for step in der.steps:
-            self.counter += 1
-            new = f"{value}_{name_of(step)}{self.counter}"
-            for d in sorted(devices_of(step)):
-                self._group_ids(step)
-                self.programs[d].instrs.append(Comm(step, value, current.get(d, value), new,
-                                                    f"{name_of(step)} for {node.name}", node.name))
-                current[d] = new
-        self.cache[key] = (der.result, current[next(iter(needs))])
-        return {d: current[d] for d in needs}
+        """Local names, per device, of ``value`` laid out as ``needs`` asks.
 
-    def _provide_param(self, value: str, needs: dict[int, Need], node: Node) -> dict[int, str]:
-        """Parameters live where their first reader needs them; see _plan_params."""
-        if value not in self.held:  # read only for its dtype: keep it where asked
+        Readers that need the same layout share one set of steps, so a
+        gradient flowing back through them is summed once.
+        """
+        v = self.graph.values[value]
+        is_param = v.kind in ("param", "buffer")
+        if is_param and value not in self.held:  # read only for its dtype: keep it where asked
             self.held[value] = self.param_needs[value] = {d: Piece(n.box) for d, n in needs.items()}
             for d in needs:
                 self.local[(value, d)] = value
             self.defer[value] = True
-        v = self.graph.values[value]
-        der = derive(v.meta.shape, self.held[value], needs, defer_grad_sum=self.defer[value])
-        if der.steps:
-            return self._steps_for(value, der, needs, node)
-        if der.grad_groups:
-            self.param_grad[value] = der.grad_groups
-        else:
-            self.param_grad.setdefault(value, ())
-        return {d: self.local[(value, d)] for d in needs}
-
-    def _steps_for(self, value, der, needs, node) -> dict[int, str]:
+        key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
+        if key in self.cache:
+            return dict(self.cache[key])
+        der = derive(v.meta.shape, self.held[value], needs,
+                     defer_grad_sum=is_param and self.defer[value],
+                     differentiable=v.meta.dtype.is_floating_point)
+        if is_param:
+            if der.grad_groups:
+                self.param_grad[value] = der.grad_groups
+            else:
+                self.param_grad.setdefault(value, ())
         current = {d: self.local.get((value, d), value) for d in self.held[value]}
         for step in der.steps:
             self.counter += 1
@@ -227,8 +207,9 @@ class Lowering:
                 self.programs[d].instrs.append(Comm(step, value, current.get(d, value), new,
                                                     f"{name_of(step)} for {node.name}", node.name))
                 current[d] = new
-        self.param_grad.setdefault(value, ())
-        return {d: current[d] for d in needs}
+        names = {d: current.get(d, value) for d in needs}
+        self.cache[key] = names
+        return dict(names)
 
     def _group_ids(self, step) -> None:
         for g in getattr(step, "groups", ()):

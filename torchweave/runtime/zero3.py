@@ -12,13 +12,14 @@ views (a piece read again later is gathered again).
 Backward. Saved-tensor hooks save any view of a gathered unit as its place in
 the unit, so the full parameters are not kept alive between the passes. The
 first unpack of a unit gathers it again (recorded as a backward all-gather)
-and prefetches the unit that backward is expected to need next; the units the
-forward ended with are handed over without a collective. When every piece of a
-unit has its gradient, the autograd engine runs :class:`_GatherUnit`'s
-backward once: it packs the gradients into the unit's flat layout and starts
-an asynchronous reduce-scatter. The results are added into ``master.grad`` as
-they are waited for: when more than two are in flight, at the next forward,
-and in ``finish_grads``.
+and prefetches the unit that backward is expected to need next (backward
+keeps one unit gathered, besides a prefetch); the unit the forward ended with
+is handed over without a collective. When every piece of a unit has its
+gradient, the autograd engine runs :class:`_GatherUnit`'s backward once: it
+packs the gradients into the unit's flat layout and starts an asynchronous
+reduce-scatter. The results are added into ``master.grad`` as
+they are waited for: when more than two are in flight, at the next forward
+(micro-batches), and in ``finish_grads``.
 
 Every rank of the group runs the same program, so every rank issues these
 collectives in the same order.
@@ -38,8 +39,10 @@ from torchweave.runtime.counter import CommKind, Direction
 
 _TAG = object()
 """Marks a saved tensor stored as its place in a gathered unit."""
-KEEP = 1
-"""Units cached in backward, and reduce-scatters left in flight."""
+CACHED = 1
+"""Units backward keeps gathered (besides those handed over, and one prefetch)."""
+IN_FLIGHT = 2
+"""Reduce-scatters left running before backward waits for the oldest."""
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -66,6 +69,8 @@ class Stage3:
         self.n_units = len(self.L.units)
         self.dtypes: list[torch.dtype | None] = [torch.float32] * self.n_units
         """Dtype each unit is gathered in (None: pieces of several dtypes; gathered in fp32)."""
+        self.piece_dtypes: list[torch.dtype] = list(zero.dtypes)
+        """Dtype each piece is handed out in (after the forward's cast)."""
         self.prefetched: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         """unit → (work, buffer, shard) of an all-gather in flight."""
         self.pending: collections.deque = collections.deque()
@@ -127,8 +132,9 @@ class Stage3:
         self.bases.clear()
         self.saved = []
         to = {d: cast(torch.empty(0, dtype=d)).dtype for d in set(self.z.dtypes)}
+        self.piece_dtypes = [to[d] for d in self.z.dtypes]
         for u, idx in enumerate(self.L.units):
-            kinds = {to[self.z.dtypes[i]] for i in idx}
+            kinds = {self.piece_dtypes[i] for i in idx}
             self.dtypes[u] = kinds.pop() if len(kinds) == 1 else None
         return LazyParams(self, params, cast)
 
@@ -147,7 +153,7 @@ class Stage3:
         self.bases[id(buf)] = (weakref.ref(buf), u)
         pieces = self.L.pieces(u, buf)
         if self.dtypes[u] is None:
-            pieces = [t.to(self.z.dtypes[i]) for t, i in zip(pieces, self.L.units[u])]
+            pieces = [t.to(self.piece_dtypes[i]) for t, i in zip(pieces, self.L.units[u])]
         return pieces
 
     def end_forward(self) -> None:
@@ -186,7 +192,7 @@ class Stage3:
             buf = self._take(u, Direction.BACKWARD)
             self.bwd[u] = buf
             used = [v for v in self.bwd if v in self.bwd_seen]  # oldest first
-            for v in used[:len(self.bwd) - KEEP]:  # units handed over stay until used
+            for v in used[:len(self.bwd) - CACHED]:  # units handed over stay until used
                 del self.bwd[v]
         if u not in self.bwd_seen:  # first use in this backward: prefetch the next unit
             self.bwd_seen.add(u)
@@ -207,7 +213,7 @@ class Stage3:
                             flat.numel() * flat.element_size())
         work = reduce_scatter_single(out, flat, group=z.pg, async_op=True)
         self.pending.append((u, out, flat, work))
-        self._drain(KEEP)
+        self._drain(IN_FLIGHT)
 
     def finish_grads(self) -> None:
         self._drain(0)
