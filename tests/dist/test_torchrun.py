@@ -37,6 +37,6 @@ def test_torchrun_two_ranks_trains_like_one_device() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        want.append(float(loss))
+        want.append(loss.item())
     for got, ref in zip(losses, want):
         assert abs(got - ref) < 1e-5 * abs(ref) + 1e-6, (losses, want)
