@@ -56,3 +56,7 @@ class CaptureError(TorchweaveError):
 
 class RegistryError(TorchweaveError):
     """A bad op registration."""
+
+
+class SimError(TorchweaveError):
+    """A bad device, cluster or cost-model input (``torchweave.sim``)."""

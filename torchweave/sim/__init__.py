@@ -1,0 +1,27 @@
+"""Clusters and the cost model: what a plan will cost before the GPUs are rented.
+
+- :mod:`~torchweave.sim.devices`: accelerator specs and the built-in catalog;
+- :mod:`~torchweave.sim.cluster`: clusters from strings (``64xA100-80GB-SXM``) or YAML;
+- :mod:`~torchweave.sim.cost`: compute time of an op (roofline);
+- :mod:`~torchweave.sim.comm`: collective time (α-β, ring/tree, hierarchical);
+- :mod:`~torchweave.sim.memory`: model-state memory per ZeRO stage.
+"""
+
+from torchweave.sim.cluster import (
+    Cluster, cluster_from_dict, cluster_of, cluster_to_dict, dump_cluster_yaml,
+    load_cluster_yaml, parse_cluster,
+)
+from torchweave.sim.comm import (
+    Algorithm, Collective, CommCost, collective_of, collective_options, collective_time, flat_time,
+)
+from torchweave.sim.cost import ComputeModel, OpTime, dtype_of, op_time, roofline
+from torchweave.sim.devices import CATALOG, Device, Link, Peak, lookup
+from torchweave.sim.memory import ModelStateMemory, model_state_memory
+
+__all__ = [
+    "CATALOG", "Algorithm", "Cluster", "Collective", "CommCost", "ComputeModel", "Device", "Link",
+    "ModelStateMemory", "OpTime", "Peak", "cluster_from_dict", "cluster_of", "cluster_to_dict",
+    "collective_of", "collective_options", "collective_time", "dtype_of", "dump_cluster_yaml",
+    "flat_time", "load_cluster_yaml", "lookup", "model_state_memory", "op_time", "parse_cluster",
+    "roofline",
+]

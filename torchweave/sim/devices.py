@@ -1,0 +1,260 @@
+"""Accelerators and links: frozen specs, and a built-in catalog.
+
+Numbers come from the vendors' datasheets and whitepapers named in each entry's
+``sources``. FLOP/s are *dense* (never the "with sparsity" figures). Memory and
+link bandwidths are in bytes per second, decimal (1 GB/s = 1e9 B/s); memory
+sizes are bytes. Where a number is not published (message latency, a typical
+network, a price) it is an estimate, and the field's docstring says so.
+``torchweave calibrate`` replaces estimates with measurements for the machine
+at hand.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, fields
+from typing import Literal, Mapping
+
+from torchweave.errors import Problem, SimError
+
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+
+
+def positive_problems(where: str, obj: object) -> list[Problem]:
+    """A :class:`Problem` for each int/float field of ``obj`` that is not > 0."""
+    out = []
+    for f in fields(obj):  # type: ignore[arg-type]
+        v = getattr(obj, f.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0:
+            out.append(Problem(obj=f"{where}.{f.name}", value=repr(v), rule="must be > 0",
+                               fix=f"give {f.name} a positive value"))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peak:
+    """Peak dense FLOP/s per precision; ``None`` where the device has no such rate."""
+
+    fp32: float
+    """FP32 without TF32: matrix units where the device has FP32 ones (MI250),
+    else the vector (CUDA-core) rate. Elementwise ops of any dtype use it too."""
+    tf32: float | None = None
+    """TF32 tensor-core rate (fp32 matmuls when TF32 is allowed)."""
+    bf16: float | None = None
+    """BF16 matrix rate with FP32 accumulation."""
+    fp16: float | None = None
+    """FP16 matrix rate with FP32 accumulation (what training uses; GeForce
+    cards run FP16 accumulation at twice this)."""
+    fp8: float | None = None
+    """FP8 (E4M3/E5M2) matrix rate with FP32 accumulation."""
+
+    def of(self, precision: Precision) -> float | None:
+        return getattr(self, precision)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One level of interconnect, as one device sees it (α-β model)."""
+
+    bandwidth: float
+    """Bytes/s per device, per direction. For a network: the node's NIC
+    bandwidth divided by its devices."""
+    latency: float
+    """Seconds per message step (α), as a collective library sees it; an
+    estimate unless measured."""
+    kind: str = ""
+    """What it is, in words: ``NVLink 3 (NVSwitch)``, ``8x200 Gb/s InfiniBand HDR``."""
+
+    def __post_init__(self) -> None:
+        problems = positive_problems("link", self)
+        if problems:
+            raise SimError(problems, header=f"bad link {self.kind or ''}".rstrip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator (or one CPU rank) and the node it typically sits in."""
+
+    name: str
+    """Catalog key: ``A100-80GB-SXM``."""
+    description: str
+    """What it is, in words."""
+    peak: Peak
+    """Peak dense FLOP/s per precision."""
+    memory_bytes: int
+    """Device memory, bytes."""
+    memory_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    intra: Link
+    """Link between devices of one node (per device, per direction)."""
+    inter: Link
+    """Network between nodes (per device, per direction); a typical one."""
+    node_size: int
+    """Devices in a typical node: the default of ``devices_per_node``."""
+    price_per_hour: float
+    """Typical on-demand cloud price per GPU-hour, USD, 2024–2025. An estimate:
+    list prices vary by a factor of two or more between providers."""
+    rates: Literal["datasheet", "measured"] = "datasheet"
+    """``datasheet``: peaks, which real kernels reach only a fraction of (the
+    cost model applies efficiency factors); ``measured``: rates already reached
+    by real work (factors default to 1)."""
+    sources: tuple[str, ...]
+    """Where the numbers come from, by title."""
+
+    def __post_init__(self) -> None:
+        where = f"device {self.name}"
+        problems = positive_problems(where, self) + positive_problems(f"{where}.peak", self.peak)
+        if not self.sources:
+            problems.append(Problem(obj=f"{where}.sources", value="()",
+                                    rule="every device cites where its numbers come from",
+                                    fix="add a datasheet title, or 'measured on <machine>, <date>'"))
+        if problems:
+            raise SimError(problems, header=f"bad device {self.name!r}")
+
+
+# Links shared by several entries. Latencies are estimates of a collective
+# library's per-step cost, not wire latencies.
+_NVLINK2 = Link(bandwidth=150 * GB, latency=5e-6, kind="NVLink 2, 6 links (300 GB/s both directions)")
+_NVLINK3 = Link(bandwidth=300 * GB, latency=5e-6, kind="NVLink 3 via NVSwitch (600 GB/s both directions)")
+_NVLINK4 = Link(bandwidth=450 * GB, latency=5e-6, kind="NVLink 4 via NVSwitch (900 GB/s both directions)")
+_PCIE4 = Link(bandwidth=31.5 * GB, latency=10e-6, kind="PCIe 4.0 x16 (16 GT/s x 16 lanes)")
+_EDR_4X100 = Link(bandwidth=4 * 12.5 * GB / 8, latency=15e-6,
+                  kind="4x100 Gb/s InfiniBand EDR per 8-GPU node (DGX-1)")
+_HDR_8X200 = Link(bandwidth=25 * GB, latency=15e-6,
+                  kind="8x200 Gb/s InfiniBand HDR per 8-GPU node, one NIC per GPU (DGX A100)")
+_HDR_4X200 = Link(bandwidth=4 * 25 * GB / 8, latency=15e-6,
+                  kind="4x200 Gb/s InfiniBand HDR per 8-GPU node (typical PCIe server)")
+_NDR_8X400 = Link(bandwidth=50 * GB, latency=15e-6,
+                  kind="8x400 Gb/s InfiniBand NDR per 8-GPU node, one NIC per GPU (DGX H100)")
+_ETH100_PER8 = Link(bandwidth=12.5 * GB / 8, latency=50e-6, kind="1x100 Gb/s Ethernet per 8-GPU node")
+
+_AMPERE = "NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020)"
+_DGX_A100 = "NVIDIA DGX A100 System Architecture whitepaper (2020)"
+_A100_PEAK = Peak(fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, bf16=312 * TFLOPS, fp16=312 * TFLOPS)
+_HOPPER_PEAK = Peak(fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
+                    fp16=989.4 * TFLOPS, fp8=1978.9 * TFLOPS)
+_GA102_PEAK = Peak(fp32=35.6 * TFLOPS, tf32=35.6 * TFLOPS, bf16=71 * TFLOPS, fp16=71 * TFLOPS)
+_GA102 = "NVIDIA Ampere GA102 GPU Architecture whitepaper (2020), RTX 3090 column"
+
+_ENTRIES = (
+    Device(
+        name="V100-32GB-SXM2", description="NVIDIA Tesla V100 SXM2 32GB (Volta)",
+        peak=Peak(fp32=15.7 * TFLOPS, fp16=125 * TFLOPS),
+        memory_bytes=32 * GiB, memory_bandwidth=900 * GB, intra=_NVLINK2, inter=_EDR_4X100,
+        node_size=8, price_per_hour=2.0,
+        sources=("NVIDIA Tesla V100 GPU Architecture whitepaper (2017)",
+                 "NVIDIA Tesla V100 GPU datasheet (2020)",
+                 "NVIDIA DGX-1 with Tesla V100 System Architecture whitepaper (2017)"),
+    ),
+    Device(
+        name="A100-40GB-SXM", description="NVIDIA A100 SXM4 40GB (Ampere)",
+        peak=_A100_PEAK, memory_bytes=40 * GiB, memory_bandwidth=1555 * GB,
+        intra=_NVLINK3, inter=_HDR_8X200, node_size=8, price_per_hour=2.0,
+        sources=(_AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
+    ),
+    Device(
+        name="A100-80GB-SXM", description="NVIDIA A100 SXM4 80GB (Ampere)",
+        peak=_A100_PEAK, memory_bytes=80 * GiB, memory_bandwidth=2039 * GB,
+        intra=_NVLINK3, inter=_HDR_8X200, node_size=8, price_per_hour=2.5,
+        sources=(_AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
+    ),
+    Device(
+        name="A100-80GB-PCIe", description="NVIDIA A100 PCIe 80GB (Ampere), no NVLink bridge",
+        peak=_A100_PEAK, memory_bytes=80 * GiB, memory_bandwidth=1935 * GB,
+        intra=_PCIE4, inter=_HDR_4X200, node_size=8, price_per_hour=2.0,
+        sources=(_AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)",
+                 "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
+    ),
+    Device(
+        name="H100-80GB-SXM", description="NVIDIA H100 SXM5 80GB (Hopper)",
+        peak=_HOPPER_PEAK, memory_bytes=80 * GiB, memory_bandwidth=3350 * GB,
+        intra=_NVLINK4, inter=_NDR_8X400, node_size=8, price_per_hour=3.5,
+        sources=("NVIDIA H100 Tensor Core GPU datasheet (2023)",
+                 "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022)",
+                 "NVIDIA DGX H100 System User Guide (2023)"),
+    ),
+    Device(
+        name="H200-141GB-SXM", description="NVIDIA H200 SXM 141GB (Hopper, HBM3e)",
+        peak=_HOPPER_PEAK, memory_bytes=141 * GiB, memory_bandwidth=4800 * GB,
+        intra=_NVLINK4, inter=_NDR_8X400, node_size=8, price_per_hour=4.0,
+        sources=("NVIDIA H200 Tensor Core GPU datasheet (2024)",
+                 "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022)"),
+    ),
+    Device(
+        name="RTX3090", description="NVIDIA GeForce RTX 3090 24GB, PCIe only (no peer-to-peer)",
+        peak=_GA102_PEAK, memory_bytes=24 * GiB, memory_bandwidth=936 * GB,
+        intra=_PCIE4, inter=_ETH100_PER8, node_size=8, price_per_hour=0.4,
+        sources=(_GA102, "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
+    ),
+    Device(
+        name="RTX3090-NVLink",
+        description="NVIDIA GeForce RTX 3090 24GB in a bridged pair; a node is one "
+                    "2-GPU workstation, nodes joined by 100 Gb/s Ethernet",
+        peak=_GA102_PEAK, memory_bytes=24 * GiB, memory_bandwidth=936 * GB,
+        intra=Link(bandwidth=56.25 * GB, latency=5e-6,
+                   kind="NVLink 3 bridge, 4 links (112.5 GB/s both directions)"),
+        inter=Link(bandwidth=12.5 * GB / 2, latency=50e-6, kind="1x100 Gb/s Ethernet per 2-GPU node"),
+        node_size=2, price_per_hour=0.4,
+        sources=(_GA102, "NVIDIA GeForce RTX 3090 product specifications (NVLink bridge)"),
+    ),
+    Device(
+        name="RTX4090", description="NVIDIA GeForce RTX 4090 24GB (Ada), PCIe only",
+        peak=Peak(fp32=82.6 * TFLOPS, tf32=82.6 * TFLOPS, bf16=165.2 * TFLOPS,
+                  fp16=165.2 * TFLOPS, fp8=330.3 * TFLOPS),
+        memory_bytes=24 * GiB, memory_bandwidth=1008 * GB, intra=_PCIE4, inter=_ETH100_PER8,
+        node_size=8, price_per_hour=0.7,
+        sources=("NVIDIA Ada GPU Architecture whitepaper (2022), RTX 4090 column",
+                 "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
+    ),
+    Device(
+        name="MI250",
+        description="AMD Instinct MI250, one GCD (half an OAM package; PyTorch sees "
+                    "each GCD as a device); a node is 4 packages = 8 GCDs",
+        peak=Peak(fp32=45.25 * TFLOPS, bf16=181.05 * TFLOPS, fp16=181.05 * TFLOPS),
+        memory_bytes=64 * GiB, memory_bandwidth=1638.4 * GB,
+        intra=Link(bandwidth=100 * GB, latency=5e-6,
+                   kind="Infinity Fabric links between GCDs (per-GCD estimate)"),
+        inter=Link(bandwidth=4 * 25 * GB / 8, latency=15e-6,
+                   kind="4x200 Gb/s HPE Slingshot-11 per 8-GCD node (LUMI-G, Frontier)"),
+        node_size=8, price_per_hour=1.0,
+        sources=("AMD Instinct MI250 Accelerator datasheet (2021)",
+                 "Introducing AMD CDNA 2 Architecture whitepaper (2021)",
+                 "HPE Cray EX235a compute blade (LUMI-G) node description"),
+    ),
+    Device(
+        name="CPU-2core",
+        description="This project's CPU machine: 2 cores, 24 GiB, no GPU; one gloo rank "
+                    "per core, 2 ranks per node",
+        peak=Peak(fp32=85e9),
+        memory_bytes=12 * GiB, memory_bandwidth=10 * GB,
+        intra=Link(bandwidth=1.07 * GB, latency=50e-6,
+                   kind="gloo over loopback (4 MiB all-reduce ~ 4 ms at 2 ranks)"),
+        inter=Link(bandwidth=1.25 * GB / 2, latency=100e-6, kind="10 Gb/s Ethernet (estimate)"),
+        node_size=2, price_per_hour=0.04, rates="measured",
+        sources=("PLATFORM.md, 'Speed and memory on these 2 cores': GPT step at ~170 GFLOP/s "
+                 "on 2 threads, split over 2 ranks (measured 2026-12-01)",
+                 "PLATFORM.md, 'torch.distributed on gloo': 4 MiB all-reduce ~ 4 ms at 2 ranks"),
+    ),
+)
+
+CATALOG: Mapping[str, Device] = types.MappingProxyType({d.name: d for d in _ENTRIES})
+"""Built-in devices by name. Memory bandwidth and latencies of ``CPU-2core`` are
+estimates; run ``torchweave calibrate`` to measure them."""
+
+
+def lookup(name: str, catalog: Mapping[str, Device] = CATALOG) -> Device:
+    """The catalog entry called ``name`` (case-insensitive)."""
+    by_lower = {k.lower(): d for k, d in catalog.items()}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    import difflib
+
+    close = difflib.get_close_matches(name, list(catalog), n=1, cutoff=0.5)
+    fix = f"did you mean {close[0]!r}? " if close else ""
+    raise SimError(Problem(
+        obj="device", value=repr(name), rule=f"must be one of: {', '.join(catalog)}",
+        fix=fix + "or describe the device field by field in a cluster YAML"))
