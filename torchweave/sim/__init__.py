@@ -4,7 +4,10 @@
 - :mod:`~torchweave.sim.cluster`: clusters from strings (``64xA100-80GB-SXM``) or YAML;
 - :mod:`~torchweave.sim.cost`: compute time of an op (roofline);
 - :mod:`~torchweave.sim.comm`: collective time (α-β, ring/tree, hierarchical);
-- :mod:`~torchweave.sim.memory`: model-state memory per ZeRO stage.
+- :mod:`~torchweave.sim.memory`: model-state memory per ZeRO stage;
+- :mod:`~torchweave.sim.simulate`: one training step of a lowered plan, event by
+  event (:mod:`~torchweave.sim.tasks` builds the tasks, :mod:`~torchweave.sim.engine` runs them);
+- :mod:`~torchweave.sim.trace`: the timeline as Chrome trace JSON or a PNG Gantt chart.
 """
 
 from torchweave.sim.cluster import (
@@ -16,12 +19,16 @@ from torchweave.sim.comm import (
 )
 from torchweave.sim.cost import ComputeModel, OpTime, dtype_of, op_time, roofline
 from torchweave.sim.devices import CATALOG, Device, Link, Peak, lookup
+from torchweave.sim.engine import Event
 from torchweave.sim.memory import ModelStateMemory, model_state_memory
+from torchweave.sim.simulate import MemoryUse, OutOfMemory, SimResult, simulate
+from torchweave.sim.trace import save_gantt_png, to_chrome_trace
 
 __all__ = [
-    "CATALOG", "Algorithm", "Cluster", "Collective", "CommCost", "ComputeModel", "Device", "Link",
-    "ModelStateMemory", "OpTime", "Peak", "cluster_from_dict", "cluster_of", "cluster_to_dict",
+    "CATALOG", "Algorithm", "Cluster", "Collective", "CommCost", "ComputeModel", "Device", "Event",
+    "Link", "MemoryUse", "ModelStateMemory", "OpTime", "OutOfMemory", "Peak", "SimResult",
+    "cluster_from_dict", "cluster_of", "cluster_to_dict",
     "collective_of", "collective_options", "collective_time", "dtype_of", "dump_cluster_yaml",
     "flat_time", "load_cluster_yaml", "lookup", "model_state_memory", "op_time", "parse_cluster",
-    "roofline",
+    "roofline", "save_gantt_png", "simulate", "to_chrome_trace",
 ]

@@ -1,0 +1,206 @@
+"""Simulate one training step of a lowered plan on a cluster.
+
+``simulate(graph, plan, cluster)`` lowers the plan (or takes the Programs),
+builds each rank's forward, backward, gradient-sync and optimizer tasks
+(:mod:`torchweave.sim.tasks`) and runs them on two streams per rank, compute
+and communication (:mod:`torchweave.sim.engine`). Collectives start when every
+member of their group has reached them.
+
+Memory per rank: parameters, gradients and AdamW state (per ZeRO stage, from
+:func:`~torchweave.sim.memory.model_state_memory`), buffers, the activations
+saved for backward (every non-view compute output that carries a gradient) and
+temporary buffers (the largest gradient bucket, or twice the largest single
+activation). A rank over its device's memory is out of memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from torchweave.errors import Problem, SimError
+from torchweave.ir.graph import Graph
+from torchweave.lower.program import Program
+from torchweave.plan.plan import Plan
+from torchweave.sim.cluster import Cluster
+from torchweave.sim.cost import ComputeModel, precision_of
+from torchweave.sim.engine import Event, run
+from torchweave.sim.memory import model_state_memory
+from torchweave.sim.tasks import Builder
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryUse:
+    """Peak bytes on one rank, by contributor."""
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int
+    temporaries: int
+
+    @property
+    def peak(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.buffers + self.activations
+                + self.temporaries)
+
+    def contributors(self) -> list[tuple[str, int]]:
+        """(what, bytes), biggest first."""
+        parts = [("parameters", self.params), ("gradients", self.grads),
+                 ("optimizer state", self.optimizer), ("buffers", self.buffers),
+                 ("activations", self.activations), ("temporary buffers", self.temporaries)]
+        return sorted(parts, key=lambda x: -x[1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutOfMemory:
+    rank: int
+    device: str
+    peak: int
+    capacity: int
+    contributors: tuple[tuple[str, int], ...]
+    """The biggest contributors, biggest first."""
+
+    def __str__(self) -> str:
+        top = ", ".join(f"{what} {n / GiB:.3g} GiB" for what, n in self.contributors[:3])
+        return (f"rank {self.rank}: {self.peak / GiB:.3g} GiB > {self.device} "
+                f"{self.capacity / GiB:.3g} GiB ({top})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    """One simulated training step."""
+
+    plan_name: str
+    cluster: str
+    world_size: int
+    step_time: float
+    """Seconds: the slowest rank."""
+    compute_time: tuple[float, ...]
+    """Busy seconds on each rank's compute stream."""
+    comm_time: tuple[float, ...]
+    """Busy seconds on each rank's communication stream."""
+    idle: tuple[float, ...]
+    """Fraction of the step each rank's compute stream is idle."""
+    memory: tuple[MemoryUse, ...]
+    model_flops: float
+    """FLOPs of one step of the whole model, forward and backward, counted once."""
+    mfu: float
+    tokens_per_step: int
+    tokens_per_s: float
+    usd_per_million_tokens: float
+    oom: tuple[OutOfMemory, ...] = ()
+    timeline: list[Event] = field(default_factory=list, repr=False)
+
+    @property
+    def bubble(self) -> float:
+        """Mean idle fraction of the compute streams."""
+        return sum(self.idle) / len(self.idle) if self.idle else 0.0
+
+    @property
+    def peak_memory(self) -> tuple[int, ...]:
+        return tuple(m.peak for m in self.memory)
+
+    def summary(self) -> str:
+        n = len(self.compute_time)
+        lines = [
+            f"{self.plan_name} on {self.cluster} ({self.world_size} ranks)",
+            f"  step time      {self.step_time * 1e3:.4g} ms",
+            f"  compute/rank   {sum(self.compute_time) / n * 1e3:.4g} ms (mean)",
+            f"  comm/rank      {sum(self.comm_time) / n * 1e3:.4g} ms (mean)",
+            f"  idle           {self.bubble:.1%}",
+            f"  peak memory    {max(self.peak_memory) / GiB:.3g} GiB (max over ranks)",
+            f"  MFU            {self.mfu:.1%}",
+            f"  tokens/s       {self.tokens_per_s:,.0f}",
+            f"  $/M tokens     {self.usd_per_million_tokens:.4g}",
+        ]
+        lines += [f"  OUT OF MEMORY  {o}" for o in self.oom[:4]]
+        return "\n".join(lines)
+
+
+def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Program] | None = None,
+             dtype: torch.dtype | None = None, tokens_per_step: int | None = None,
+             model: ComputeModel | None = None, bucket_bytes: int = 25 * 2**20,
+             strict: bool = False, timeline: bool = True) -> SimResult:
+    """Simulate one training step of ``plan`` on ``cluster``.
+
+    ``dtype`` overrides the floating dtype ops compute in (``torch.bfloat16``
+    for mixed precision; ``None``: the graph's). ``tokens_per_step`` defaults
+    to the elements of the first integer input (``idx [batch, seq]``), else its
+    batch size. ``strict``: raise :class:`SimError` when a rank is out of memory.
+    """
+    if plan.world_size > cluster.size:
+        raise SimError(Problem(obj=f"plan {plan.name!r}", value=f"{plan.world_size} ranks",
+                               rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
+                               fix=f"use a cluster of at least {plan.world_size} devices"))
+    if programs is None:
+        from torchweave.lower.lower import lower
+
+        programs = lower(graph, plan)
+    model = model or ComputeModel.for_device(cluster.device)
+    builder = Builder(graph, plan, cluster, dtype, model, bucket_bytes)
+    tasks, feet = {}, {}
+    for prog in programs:
+        tasks[prog.rank], feet[prog.rank] = builder.tasks(prog)
+    runs, events = run(tasks, record=timeline)
+    ranks = sorted(runs)
+    step = max((runs[r].end for r in ranks), default=0.0)
+
+    precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
+    memory = []
+    for r in ranks:
+        f = feet[r]
+        dp = _zero_group(plan, programs[ranks.index(r)], r)
+        state = model_state_memory(f.params, dp=dp, stage=plan.zero, precision=precision)
+        memory.append(MemoryUse(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                                buffers=f.buffers, activations=f.activations,
+                                temporaries=f.temporaries))
+    oom = tuple(
+        OutOfMemory(rank=r, device=cluster.device.name, peak=m.peak,
+                    capacity=cluster.device.memory_bytes, contributors=tuple(m.contributors()))
+        for r, m in zip(ranks, memory) if m.peak > cluster.device.memory_bytes)
+    if strict and oom:
+        raise SimError([Problem(obj=f"rank {o.rank} on {o.device}",
+                                value=f"{o.peak / GiB:.3g} GiB ({o.peak} bytes)",
+                                rule=f"must fit the device's {o.capacity / GiB:.3g} GiB; biggest: "
+                                     + ", ".join(f"{w} {n / GiB:.3g} GiB" for w, n in o.contributors[:3]),
+                                fix="shard more (zero, tp), use more devices, or a bigger device")
+                        for o in oom[:4]], header=f"plan {plan.name!r} is out of memory")
+
+    flops = sum(c.model_flops for c in builder.costs.values())
+    peak = cluster.device.peak.of(precision_of(dtype or torch.float32, cluster.device, matmul=True,
+                                               tf32=model.tf32))
+    tokens = tokens_per_step if tokens_per_step is not None else _tokens(graph)
+    tps = tokens / step if step > 0 else 0.0
+    usd = cluster.price_per_hour / 3600 * step / tokens * 1e6 if tokens else 0.0
+    return SimResult(
+        plan_name=plan.name, cluster=str(cluster), world_size=len(ranks), step_time=step,
+        compute_time=tuple(runs[r].compute_busy for r in ranks),
+        comm_time=tuple(runs[r].comm_busy for r in ranks),
+        idle=tuple(1 - runs[r].compute_busy / step if step else 0.0 for r in ranks),
+        memory=tuple(memory), model_flops=flops,
+        mfu=flops / (step * cluster.size * peak) if step else 0.0,
+        tokens_per_step=tokens, tokens_per_s=tps, usd_per_million_tokens=usd, oom=oom,
+        timeline=events)
+
+
+def _zero_group(plan: Plan, prog: Program, rank: int) -> int:
+    if not plan.zero:
+        return 1
+    sizes = [len(g) for s in prog.params for g in s.grad_groups if rank in g]
+    return max(sizes, default=1)
+
+
+def _tokens(graph: Graph) -> int:
+    metas = [graph.values[i].meta for i in graph.inputs]
+    for m in metas:
+        if not m.dtype.is_floating_point and len(m.shape) >= 2:
+            return m.numel
+    return metas[0].shape[0] if metas and metas[0].shape else 1
+
+
+__all__ = ["Event", "MemoryUse", "OutOfMemory", "SimResult", "simulate"]
