@@ -116,9 +116,46 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--timeout", type=float, default=60.0, help="collective time-out, seconds")
     ver.add_argument("--code", metavar="DIR", help="keep the generated per-rank code here")
     ver.set_defaults(run=_verify)
+    _add_sim_commands(sub)
     models = sub.add_parser("models", help="list the bundled models")
     models.set_defaults(run=_models)
     return p
+
+
+def _add_sim_commands(sub) -> None:
+    from torchweave import commands
+
+    cluster_help = "a cluster string (8xA100-80GB-SXM, 16xH100-80GB-SXM@8) or a cluster YAML path"
+    sim = sub.add_parser("simulate", help="predict one training step of a plan on a cluster: step "
+                         "time, bubble, memory per device, MFU, tokens/s, $ per million tokens")
+    sim.add_argument("model", metavar="MODEL")
+    sim.add_argument("--cluster", required=True, metavar="SPEC", help=cluster_help)
+    sim.add_argument("--plan", default="dp", help="policy name or plan.json (default: dp)")
+    sim.add_argument("--world-size", type=int, help="ranks (default: the cluster's size)")
+    sim.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    sim.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                     help="compute dtype (bf16: mixed precision; default: the model's)")
+    sim.add_argument("--trace", metavar="OUT_JSON", help="write the timeline as Chrome trace JSON")
+    sim.add_argument("--gantt", metavar="OUT_PNG", help="write a Gantt chart (needs matplotlib)")
+    sim.set_defaults(run=commands.simulate_cmd)
+    exp = sub.add_parser("explain", help="per op: partition, devices, communication, time and "
+                         "memory of a plan; top costs; --vs compares with another plan")
+    exp.add_argument("plan", metavar="PLAN", help="plan.json or a policy name")
+    exp.add_argument("model", metavar="MODEL")
+    exp.add_argument("--cluster", required=True, metavar="SPEC", help=cluster_help)
+    exp.add_argument("--vs", metavar="PLAN", help="another plan.json or policy name: why not it?")
+    exp.add_argument("--world-size", type=int, help="ranks for a policy name (default: cluster size)")
+    exp.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    exp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"))
+    exp.add_argument("--top", type=int, default=5, help="how many top costs and differences")
+    exp.add_argument("--all", action="store_true", help="show every op")
+    exp.set_defaults(run=commands.explain_cmd)
+    cal = sub.add_parser("calibrate", help="measure this machine (matmul, copy, gloo collectives) "
+                         "and save a cluster YAML that --cluster accepts")
+    cal.add_argument("--world-sizes", type=int, nargs="+", default=[2], metavar="N")
+    cal.add_argument("--out", default="cpu.yaml", metavar="YAML", help="default: cpu.yaml")
+    cal.add_argument("--quick", action="store_true", help="one message size, 2 ranks (tests)")
+    cal.set_defaults(run=commands.calibrate_cmd)
 
 
 def _models(args: argparse.Namespace, console: Console) -> int:

@@ -1,0 +1,98 @@
+"""`torchweave simulate`, `explain` and `calibrate`, called through the CLI's main."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchweave.cli import main
+from torchweave.sim import CATALOG, load_cluster_yaml
+
+
+def test_simulate_tp_prints_summary_and_writes_trace(tmp_path, capsys) -> None:
+    trace = tmp_path / "tp.json"
+    assert main(["simulate", "gpt-tiny", "--cluster", "4xA100-80GB-SXM", "--plan", "tp",
+                 "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "tp on 4xA100-80GB-SXM (4 ranks)" in out
+    for field in ("step time", "idle", "peak memory", "memory/rank", "MFU", "tokens/s", "$/M tokens"):
+        assert field in out, field
+    assert "OUT OF MEMORY" not in out
+    data = json.loads(trace.read_text())
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert data["otherData"]["plan"] == "tp" and data["otherData"]["step_time_s"] > 0
+
+
+def test_simulate_gantt_without_matplotlib_is_a_message(tmp_path, capsys) -> None:
+    png = tmp_path / "g.png"
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--gantt", str(png)]) == 0
+    out = capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib" in out and not png.exists()
+    else:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_explain_tp_rows_communication_and_comparison(capsys) -> None:
+    assert main(["explain", "tp", "gpt-tiny", "--cluster", "4xA100-80GB-SXM", "--vs", "dp",
+                 "--all"]) == 0
+    out = capsys.readouterr().out
+    for col in ("node", "partition", "devices", "communication before", "time", "memory"):
+        assert col in out
+    rows = [line for line in out.splitlines() if "linear_3 " in line and "all_reduce" in line]
+    assert rows, "the row-parallel bias add gets the all-reduce of its input"
+    assert "top 5 ops by time" in out and "top 5 collectives by time" in out
+    assert "why not 'dp'?" in out
+    for what in ("step time", "comm time/rank", "peak memory"):
+        assert what in out.split("why not")[1]
+    assert "biggest per-op differences" in out
+
+
+def test_explain_plan_json(tmp_path, capsys) -> None:
+    plan = tmp_path / "tp.json"
+    assert main(["plan", "gpt-tiny", "--plan", "tp", "--world-size", "2", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(plan), "gpt-tiny", "--cluster", "2xA100-80GB-SXM"]) == 0
+    assert "all_reduce" in capsys.readouterr().out
+
+
+def test_bad_cluster_string_names_field_and_devices(capsys) -> None:
+    assert main(["simulate", "gpt-tiny", "--cluster", "4xA100-80GB-SXMX", "--plan", "dp"]) == 2
+    out = capsys.readouterr().out
+    assert "device" in out and "'A100-80GB-SXMX'" in out
+    assert all(name in out for name in CATALOG)
+
+
+def test_bad_cluster_yaml_field(tmp_path, capsys) -> None:
+    spec = tmp_path / "c.yaml"
+    spec.write_text("device: A100-80GB-SXM\nnodes: 1\ndevices_per_nod: 2\n")
+    assert main(["simulate", "gpt-tiny", "--cluster", str(spec)]) == 2
+    out = capsys.readouterr().out
+    assert "devices_per_nod" in out and "devices_per_node" in out
+
+
+def test_out_of_memory_names_device_and_contributors(tmp_path, capsys) -> None:
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("name: tiny-pair\ndevice:\n  base: A100-80GB-SXM\n  name: tiny-1MiB\n"
+                    "  memory_bytes: 1048576\nnodes: 1\ndevices_per_node: 2\n")
+    assert main(["simulate", "gpt-tiny", "--cluster", str(spec), "--plan", "dp"]) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF MEMORY" in out and "tiny-1MiB" in out
+    assert "parameters" in out or "activations" in out
+
+
+@pytest.mark.dist
+def test_calibrate_quick_writes_a_cluster_the_simulator_accepts(tmp_path, capsys) -> None:
+    out_yaml = tmp_path / "cpu.yaml"
+    assert main(["calibrate", "--quick", "--out", str(out_yaml)]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP/s" in out and "all_reduce" in out and "alpha-beta fit" in out
+    cluster = load_cluster_yaml(out_yaml)
+    assert cluster.size == 2 and cluster.device.rates == "measured"
+    assert cluster.device.peak.fp32 > 1e8 and cluster.intra.bandwidth > 1e6
+    assert main(["simulate", "gpt-tiny", "--cluster", str(out_yaml), "--plan", "dp"]) == 0
+    assert "step time" in capsys.readouterr().out

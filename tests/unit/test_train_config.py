@@ -1,0 +1,72 @@
+"""The typed training config: YAML, overrides, unknown fields, wrong types, batch arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchweave.train.config import ConfigError, ParallelConfig, TrainConfig, load_config
+
+YAML = """
+run_dir: runs/x
+steps: 20
+model: {factory: llama-tiny, kwargs: {n_layer: 2}}
+data: {kind: text, seq_len: 32}
+optim: {name: adamw, lr: 0.001, betas: [0.9, 0.99]}
+schedule: {warmup_steps: 5, kind: cosine}
+parallel: {plan: dp, world_size: 2, grad_accum: 2, micro_batch: 2, global_batch: 8}
+checkpoint: {every: 10, keep: 2}
+"""
+
+
+def _write(tmp_path: Path, text: str = YAML) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_and_overrides_build_typed_sections(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path), ["--optim.lr=3e-4", "--steps=7",
+                                         "--optim.clip_grad_norm=null", "--data.kind=synthetic"])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.steps == 7 and cfg.optim.lr == 3e-4 and cfg.optim.clip_grad_norm is None
+    assert cfg.optim.betas == (0.9, 0.99) and cfg.model.kwargs == {"n_layer": 2}
+    assert cfg.data.kind == "synthetic" and cfg.schedule.kind == "cosine"
+    assert cfg.parallel.dp == 2 and cfg.checkpoint_dir == "runs/x/checkpoints"
+    assert load_config(None, []) == TrainConfig()
+    with pytest.raises(AttributeError):
+        cfg.steps = 3  # frozen
+
+
+def test_unknown_fields_and_wrong_types_are_all_reported(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path), ["--optim.lrr=1", "--data.kind=video", "--steps=ten",
+                                       "--parallel.precision=fp16"])
+    text = str(info.value)
+    assert "4 problems" in text
+    assert "optim.lrr" in text and "a field of OptimConfig" in text and "lr" in text
+    assert "data.kind: 'video'" in text and "one of 'synthetic', 'text'" in text
+    assert "steps: 'ten'" in text and "must be an int" in text
+    assert "parallel.precision" in text and "'fp32', 'bf16'" in text
+
+
+def test_batch_arithmetic_is_shown(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path), ["--parallel.global_batch=16"])
+    assert "global_batch(16) != micro_batch(2) * grad_accum(2) * dp(2)" in str(info.value)
+    assert "set global_batch to 8" in str(info.value)
+    # tp splits each sample over the ranks: dp = 1
+    assert ParallelConfig(plan="tp", world_size=2, micro_batch=4, grad_accum=1,
+                          global_batch=4).dp == 1
+
+
+def test_bad_yaml_and_bad_override_syntax(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="valid YAML"):
+        load_config(_write(tmp_path, "steps: [1,"), [])
+    with pytest.raises(ConfigError, match="--section.field=value"):
+        load_config(None, ["--steps"])
+    with pytest.raises(ConfigError, match="a mapping of OptimConfig fields"):
+        load_config(None, ["--optim=3"])
+    with pytest.raises(ConfigError, match="!!python"):
+        load_config(_write(tmp_path, "steps: !!python/object/apply:os.system ['true']"), [])

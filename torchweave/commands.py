@@ -1,0 +1,437 @@
+"""Bodies of the cost-model subcommands of ``torchweave``: simulate, explain, calibrate.
+
+:mod:`torchweave.cli` parses the arguments and calls these; each takes the
+parsed ``argparse.Namespace`` and a rich ``Console`` and returns the exit
+status (0 ok, 1 the plan does not fit, 2 bad input via ``TorchweaveError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from torchweave.errors import Problem, TorchweaveError
+
+GiB = 2**30
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------- shared
+def load_cluster(spec: str):
+    """``--cluster``: a cluster string (``8xA100-80GB-SXM``) or a YAML path."""
+    from torchweave.sim.cluster import load_cluster_yaml, parse_cluster
+
+    if spec.endswith((".yaml", ".yml")) or os.sep in spec:
+        if not Path(spec).is_file():
+            raise TorchweaveError(Problem(
+                obj="--cluster", value=repr(spec), rule="a cluster YAML path must exist",
+                fix="check the path, or give a cluster string such as 8xA100-80GB-SXM"))
+        return load_cluster_yaml(spec)
+    return parse_cluster(spec)
+
+
+@dataclass
+class Setup:
+    graph: Any
+    plan: Any
+    cluster: Any
+    dtype: torch.dtype | None
+
+
+def _capture(model: str, meta: bool):
+    import torchweave
+    from torchweave.factory import load
+
+    loaded = load(model, meta=meta)
+    return torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
+
+
+def _plan_for(spec: str, graph, cluster, world_size: int | None):
+    from torchweave.plan.validate import validate
+    from torchweave.policies import resolve
+
+    n = world_size or cluster.size
+    plan = resolve(spec, graph, n)
+    validate(plan, graph, world_size=world_size or plan.world_size)
+    return plan
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return _DTYPES[name] if name else None
+
+
+def _sim(setup: Setup, *, programs=None):
+    from torchweave.sim.simulate import simulate
+
+    return simulate(setup.graph, setup.plan, setup.cluster, dtype=setup.dtype, programs=programs)
+
+
+def _ms(seconds: float) -> str:
+    """Seconds in the unit that reads best: s, ms or us."""
+    a = abs(seconds)
+    if a >= 1:
+        return f"{seconds:.4g} s"
+    if a >= 1e-3 or a == 0:
+        return f"{seconds * 1e3:.4g} ms"
+    return f"{seconds * 1e6:.4g} us"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+# ------------------------------------------------------------------ simulate
+def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
+    from torchweave.sim.trace import save_gantt_png, to_chrome_trace
+
+    cluster = load_cluster(args.cluster)
+    graph = _capture(args.model, args.meta)
+    plan = _plan_for(args.plan, graph, cluster, args.world_size)
+    result = _sim(Setup(graph, plan, cluster, _dtype(args.dtype)))
+    console.print(result.summary(), highlight=False, markup=False)
+    per = [f"{r}: {m.peak / GiB:.3g}" for r, m in enumerate(result.memory)]
+    shown = ", ".join(per[:8]) + (f", ... ({len(per) - 8} more)" if len(per) > 8 else "")
+    console.print(f"  memory/rank    GiB of {cluster.device.memory_bytes / GiB:.3g}: {shown}",
+                  highlight=False, markup=False)
+    if result.oom:
+        worst = result.oom[0]
+        console.print(f"OUT OF MEMORY on {len(result.oom)} of {result.world_size} ranks "
+                      f"({worst.device}); biggest contributors on rank {worst.rank}: "
+                      + ", ".join(f"{w} {n / GiB:.3g} GiB" for w, n in worst.contributors[:3]),
+                      highlight=False, markup=False)
+    if args.trace:
+        import json
+
+        with open(args.trace, "w") as f:
+            json.dump(to_chrome_trace(result), f)
+        console.print(f"wrote {args.trace} (open in https://ui.perfetto.dev)", highlight=False)
+    if args.gantt:
+        try:
+            save_gantt_png(result, args.gantt)
+            console.print(f"wrote {args.gantt}", highlight=False)
+        except TorchweaveError as exc:
+            console.print(f"no Gantt chart: {exc}", highlight=False, markup=False)
+    return 1 if result.oom else 0
+
+
+# ------------------------------------------------------------------- explain
+@dataclass
+class OpRow:
+    node: str
+    op: str
+    partition: str
+    devices: str
+    comm: list[str]
+    comm_time: float
+    time: float
+    memory: int
+
+
+@dataclass
+class Explained:
+    result: Any
+    rows: list[OpRow]
+    collectives: dict[str, float]
+    """Collective event name → seconds (max over ranks)."""
+
+
+def _devices(devs: list[int]) -> str:
+    if not devs:
+        return "-"
+    uniq = sorted(set(devs))
+    if uniq == list(range(uniq[0], uniq[-1] + 1)) and len(uniq) > 2:
+        text = f"{uniq[0]}-{uniq[-1]}"
+    else:
+        text = ",".join(map(str, uniq))
+    return text if len(uniq) == len(devs) else f"{text} (x{len(devs) // len(uniq)})"
+
+
+def explain_plan(setup: Setup) -> Explained:
+    """Per-op partition, devices, communication, time and memory of one plan."""
+    from torchweave.lower import steps
+    from torchweave.lower.lower import lower
+    from torchweave.sim.cost import ComputeModel
+    from torchweave.sim.tasks import Builder
+
+    programs = lower(setup.graph, setup.plan)
+    result = _sim(setup, programs=programs)
+    model = ComputeModel.for_device(setup.cluster.device)
+    costs = Builder(setup.graph, setup.plan, setup.cluster, setup.dtype, model, 25 * 2**20).costs
+    # Collective time per event name: sum on each rank, max over ranks.
+    per_rank: dict[tuple[int, str], float] = defaultdict(float)
+    for e in result.timeline:
+        if e.stream == "comm":
+            per_rank[(e.rank, e.name)] += e.end - e.start
+    coll: dict[str, float] = {}
+    for (_, name), t in per_rank.items():
+        coll[name] = max(coll.get(name, 0.0), t)
+    inserted: dict[str, dict[str, None]] = defaultdict(dict)  # consumer → names, ordered
+    for prog in programs:
+        for c in prog.comms():
+            if c.consumer:
+                inserted[c.consumer][f"{steps.name_of(c.step)} {c.value}"] = None
+    rows = []
+    for node in setup.graph.nodes:
+        cost = costs[node.name]
+        names = list(inserted.get(node.name, {}))
+        rows.append(OpRow(
+            node=node.name, op=node.target.rsplit(".", 1)[0].removeprefix("aten."),
+            partition=" ".join(map(str, setup.plan.transforms(node.name))) or "whole",
+            devices=_devices(setup.plan.assignment.get(node.name, [])),
+            comm=names,
+            comm_time=sum(coll.get(n, 0.0) + coll.get(n + " bwd", 0.0) for n in names),
+            time=cost.fwd + cost.bwd, memory=sum(cost.out_bytes)))
+    return Explained(result, rows, coll)
+
+
+def explain_cmd(args: argparse.Namespace, console: Console) -> int:
+    cluster = load_cluster(args.cluster)
+    graph = _capture(args.model, args.meta)
+    dtype = _dtype(args.dtype)
+    plan = _plan_for(args.plan, graph, cluster, args.world_size)
+    mine = explain_plan(Setup(graph, plan, cluster, dtype))
+    _op_table(mine, console, limit=None if args.all else 60)
+    _top_costs(mine, console, k=args.top)
+    if args.vs:
+        other_plan = _plan_for(args.vs, graph, cluster, plan.world_size)
+        other = explain_plan(Setup(graph, other_plan, cluster, dtype))
+        _compare(mine, other, console, k=args.top)
+    return 0
+
+
+def _op_table(ex: Explained, console: Console, limit: int | None) -> None:
+    r = ex.result
+    t = Table(title=f"plan {r.plan_name!r} on {r.cluster}: per op (time = fwd+bwd of one piece, "
+                    "memory = local outputs)", title_justify="left")
+    for col in ("node", "op", "partition", "devices", "communication before", "time", "memory"):
+        t.add_column(col, no_wrap=col != "communication before",
+                     justify="right" if col in ("time", "memory") else "left")
+    rows = ex.rows if limit is None else ex.rows[:limit]
+    for row in rows:
+        comm = "; ".join(row.comm) + (f" ({_ms(row.comm_time)})" if row.comm else "")
+        t.add_row(row.node, row.op, row.partition, row.devices, comm or "-", _ms(row.time),
+                  _mib(row.memory))
+    console.print(t)
+    if limit is not None and len(ex.rows) > limit:
+        console.print(f"... {len(ex.rows) - limit} more ops (--all shows every op)")
+
+
+def _top_costs(ex: Explained, console: Console, k: int) -> None:
+    r = ex.result
+    console.print(f"step {_ms(r.step_time)}, comm/rank {_ms(sum(r.comm_time) / len(r.comm_time))}, "
+                  f"peak memory {max(r.peak_memory) / GiB:.3g} GiB, MFU {r.mfu:.1%}",
+                  highlight=False, markup=False)
+    console.print(f"top {k} ops by time:", highlight=False)
+    for row in sorted(ex.rows, key=lambda x: -x.time)[:k]:
+        console.print(f"  {_ms(row.time):>12}  {row.node} ({row.op}, {row.partition})",
+                      highlight=False, markup=False)
+    console.print(f"top {k} collectives by time:", highlight=False)
+    top = sorted(ex.collectives.items(), key=lambda x: -x[1])[:k]
+    for name, secs in top:
+        console.print(f"  {_ms(secs):>12}  {name}", highlight=False, markup=False)
+    if not top:
+        console.print("  (no communication)", highlight=False)
+
+
+def _compare(a: Explained, b: Explained, console: Console, k: int) -> None:
+    ra, rb = a.result, b.result
+    t = Table(title=f"why not {rb.plan_name!r}? {ra.plan_name!r} against {rb.plan_name!r}",
+              title_justify="left")
+    for col in ("", ra.plan_name, rb.plan_name, f"{rb.plan_name} vs {ra.plan_name}"):
+        t.add_column(col, justify="left" if not col else "right")
+
+    def mean(x):
+        return sum(x) / len(x)
+
+    for what, x, y, fmt in (
+            ("step time", ra.step_time, rb.step_time, _ms),
+            ("comm time/rank", mean(ra.comm_time), mean(rb.comm_time), _ms),
+            ("compute time/rank", mean(ra.compute_time), mean(rb.compute_time), _ms),
+            ("peak memory", max(ra.peak_memory), max(rb.peak_memory), lambda n: f"{n / GiB:.3g} GiB"),
+            ("MFU", ra.mfu, rb.mfu, lambda f: f"{f:.1%}")):
+        rel = f"{(y - x) / x:+.0%}" if x else "-"
+        t.add_row(what, fmt(x), fmt(y), rel)
+    console.print(t)
+    verdict = "faster" if ra.step_time < rb.step_time else "slower"
+    ratio = ra.step_time / rb.step_time if rb.step_time else float("inf")
+    oom = [r.plan_name for r in (ra, rb) if r.oom]
+    console.print(f"{ra.plan_name!r} is {verdict} than {rb.plan_name!r}: its step is {ratio:.3g}x; "
+                  + (f"out of memory: {', '.join(oom)}" if oom else "both fit in memory"),
+                  highlight=False, markup=False)
+    other = {row.node: row for row in b.rows}
+    diffs = []
+    for row in a.rows:
+        o = other.get(row.node)
+        if o is None:
+            continue
+        d = (o.time + o.comm_time) - (row.time + row.comm_time)
+        diffs.append((d, row, o))
+    diffs.sort(key=lambda x: -abs(x[0]))
+    console.print(f"biggest per-op differences (time + communication, {rb.plan_name} - "
+                  f"{ra.plan_name}):", highlight=False, markup=False)
+    for d, row, o in diffs[:k]:
+        if d == 0:
+            break
+        console.print(f"  {'+' if d > 0 else '-'}{_ms(abs(d))}  {row.node} ({row.op}): {row.partition} "
+                      f"[{_ms(row.time + row.comm_time)}] vs {o.partition} "
+                      f"[{_ms(o.time + o.comm_time)}]", highlight=False, markup=False)
+
+
+# ----------------------------------------------------------------- calibrate
+def _median_time(fn, reps: int) -> float:
+    fn()  # warm up
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def measure_matmul(sizes: list[int], reps: int = 3) -> float:
+    """FLOP/s: the best (over sizes) median of fp32 ``n×n @ n×n``."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        t = _median_time(lambda: torch.mm(a, b), reps)
+        best = max(best, 2 * n**3 / t)
+    return best
+
+
+def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 3) -> float:
+    """Bytes/s of a large copy (read + write)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / t
+
+
+def _collective_bench(ctx, sizes: list[int], reps: int) -> list[tuple[str, int, int, float]]:
+    """On each rank: median seconds of all_reduce and all_gather (``size``: bytes
+    reduced, or bytes gathered in all)."""
+    import torch.distributed as dist
+
+    p = ctx.world_size
+    out = []
+    warm = torch.ones(max(sizes) // 4)
+    for _ in range(3):  # first collectives pay connection set-up
+        dist.all_reduce(warm)
+    for size in sizes:
+        x = torch.ones(size // 4)
+        part = torch.ones(size // 4 // p)
+        parts = [torch.empty_like(part) for _ in range(p)]
+        for name, fn in (("all_reduce", lambda: dist.all_reduce(x)),
+                         ("all_gather", lambda: dist.all_gather(parts, part))):
+            times = []
+            fn()
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out.append((name, p, size, statistics.median(times)))
+    return out
+
+
+def fit_alpha_beta(samples: list[tuple[str, int, int, float]]) -> tuple[float, float]:
+    """Least squares α (s per step) and β (bytes/s) of the ring models:
+    all_reduce 2(p-1)α + 2(p-1)/p·B/β, all_gather (p-1)α + (p-1)/p·B/β."""
+    rows, ys = [], []
+    for name, p, size, t in samples:
+        k = 2 if name == "all_reduce" else 1
+        rows.append([k * (p - 1), k * (p - 1) / p * size])
+        ys.append(t)
+    sol = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                             torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0]
+    alpha, inv_beta = float(sol[0]), float(sol[1])
+    if inv_beta <= 0:  # latency-dominated noise: fall back to the largest message
+        name, p, size, t = max(samples, key=lambda s: s[2])
+        inv_beta = t / ((2 if name == "all_reduce" else 1) * (p - 1) / p * size)
+    return max(alpha, 1e-6), 1.0 / inv_beta
+
+
+def calibrate_cmd(args: argparse.Namespace, console: Console) -> int:
+    import dataclasses
+    import datetime
+    import platform
+
+    from torchweave.runtime.launch import LaunchConfig, spawn
+    from torchweave.sim.cluster import Cluster, dump_cluster_yaml
+    from torchweave.sim.devices import Link, Peak, lookup
+
+    t_start = time.perf_counter()
+    world_sizes = [2] if args.quick else sorted(set(args.world_sizes))
+    if any(w < 2 for w in world_sizes):
+        raise TorchweaveError(Problem(obj="--world-sizes", value=str(world_sizes),
+                                      rule="collectives need at least 2 ranks", fix="e.g. 2 4"))
+    ranks = max(world_sizes)
+    sizes = [2**20] if args.quick else [64 * 2**10, 2**20, 4 * 2**20]
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops = measure_matmul([512, 1024] if args.quick else [512, 1024, 2048])
+        bandwidth = measure_bandwidth(64 * 2**20 if args.quick else 256 * 2**20)
+    finally:
+        torch.set_num_threads(before)
+    # More ranks than cores: each rank gets a share of a core.
+    share = min(1.0, (os.cpu_count() or 1) / (ranks * threads))
+    flops, bandwidth = flops * share, bandwidth * share
+    console.print(f"per rank ({threads} thread{'s' * (threads > 1)}, {share:.2g} of a core's time "
+                  f"at {ranks} ranks): matmul fp32 {flops / 1e9:.3g} GFLOP/s, copy "
+                  f"{bandwidth / 1e9:.3g} GB/s", highlight=False)
+    samples = []
+    for w in world_sizes:
+        got = spawn(_collective_bench, LaunchConfig(world_size=w, backend="gloo", timeout_s=60.0),
+                    sizes, 3 if args.quick else 5)
+        for i, (name, p, size, _) in enumerate(got[0]):
+            t = max(r[i][3] for r in got)  # the slowest rank's median
+            samples.append((name, p, size, t))
+            console.print(f"  {name:10s} {p} ranks {size / 2**10:>6.0f} KiB: {t * 1e3:.3g} ms",
+                          highlight=False)
+    alpha, beta = fit_alpha_beta(samples)
+    console.print(f"alpha-beta fit: alpha {alpha * 1e6:.3g} us, beta {beta / 1e9:.3g} GB/s",
+                  highlight=False)
+    base = lookup("CPU-2core")
+    mem = _mem_total() or base.memory_bytes * base.node_size
+    device = dataclasses.replace(
+        base, name=f"CPU-{platform.node() or 'local'}-measured",
+        description=f"this machine, {os.cpu_count()} cores, one gloo rank per "
+                    f"{threads} thread{'s' * (threads > 1)}; measured by torchweave calibrate",
+        peak=Peak(fp32=flops), memory_bytes=mem // ranks, memory_bandwidth=bandwidth,
+        intra=Link(bandwidth=beta, latency=alpha, kind="gloo over loopback (measured)"),
+        node_size=ranks, rates="measured",
+        sources=(f"measured on {platform.node() or 'this machine'}, "
+                 f"{datetime.date.today().isoformat()}: per rank fp32 matmul median "
+                 f"{flops / 1e9:.3g} GFLOP/s, {bandwidth / 1e9:.3g} GB/s copy, gloo all_reduce/all_gather at {', '.join(str(s) for s in sizes)} bytes "
+                 f"over {world_sizes} ranks, alpha-beta least squares",))
+    cluster = Cluster(device=device, nodes=1, devices_per_node=ranks, intra=device.intra,
+                      inter=device.inter, name=f"{ranks}x{device.name}")
+    Path(args.out).write_text(dump_cluster_yaml(cluster))
+    console.print(f"wrote {args.out} in {time.perf_counter() - t_start:.1f} s "
+                  f"(use it as --cluster {args.out})", highlight=False)
+    return 0
+
+
+def _mem_total() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+__all__ = ["calibrate_cmd", "explain_cmd", "explain_plan", "fit_alpha_beta", "load_cluster",
+           "simulate_cmd"]

@@ -1,0 +1,390 @@
+"""Typed configuration of ``torchweave train``: YAML plus ``--section.field=value`` overrides.
+
+Every section is a frozen, keyword-only dataclass (STYLE.md point 10).
+:func:`load_config` builds them from plain YAML data, checking every field's
+type against its annotation and collecting all problems into one
+:class:`TorchweaveError`; each section's ``__post_init__`` then checks the
+rules between fields (batch arithmetic, say) and shows the arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from torchweave.errors import Problem, TorchweaveError
+
+
+class ConfigError(TorchweaveError):
+    """A config with an unknown field, a wrong type, or fields that do not fit together."""
+
+
+# ---------------------------------------------------------------- sections
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to train."""
+
+    factory: str = "gpt-tiny"
+    """A bundled model name (``gpt-tiny``, ``llama-tiny``, ...) or an import path
+    ``package.module:function`` returning a module (and optionally example inputs)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the factory."""
+
+    def __post_init__(self) -> None:
+        if not self.factory:
+            raise ConfigError(Problem(obj="model.factory", value=repr(self.factory),
+                                      rule="a bundled model name or 'module:function'"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where training batches come from."""
+
+    kind: Literal["synthetic", "text"] = "synthetic"
+    """``synthetic``: seeded random tokens; ``text``: a character-tokenized corpus."""
+    seq_len: int = 16
+    """Tokens per sample."""
+    vocab_size: int = 256
+    """Token ids are drawn below this (synthetic data only)."""
+    path: str | None = None
+    """Text file for ``kind: text``; ``None`` is the corpus shipped with torchweave."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.seq_len < 1:
+            problems.append(Problem(obj="data.seq_len", value=str(self.seq_len), rule="at least 1"))
+        if self.vocab_size < 1:
+            problems.append(Problem(obj="data.vocab_size", value=str(self.vocab_size),
+                                    rule="at least 1"))
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The optimizer of every parameter piece."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer: AdamW or SGD (with momentum 0.9)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates."""
+    clip_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; ``None`` turns clipping off."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(Problem(obj="optim.lr", value=repr(self.lr), rule="a finite number > 0"))
+        if not self.weight_decay >= 0:
+            problems.append(Problem(obj="optim.weight_decay", value=repr(self.weight_decay),
+                                    rule="a number >= 0"))
+        if not all(0 <= b < 1 for b in self.betas):
+            problems.append(Problem(obj="optim.betas", value=repr(self.betas),
+                                    rule="two numbers in [0, 1)"))
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            problems.append(Problem(obj="optim.clip_grad_norm", value=repr(self.clip_grad_norm),
+                                    rule="a number > 0, or null to turn clipping off"))
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """The learning-rate schedule."""
+
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to ``optim.lr``."""
+    kind: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep ``optim.lr``, or decay it to 0 along a cosine by the last step."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(Problem(obj="schedule.warmup_steps", value=str(self.warmup_steps),
+                                      rule="a number of steps >= 0"))
+
+
+# Plans whose every rank holds a different part of each sample (no data parallelism).
+_NO_DP_PLANS = ("tp", "sp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the work is split over ranks."""
+
+    plan: str = "dp"
+    """A built-in policy (``dp``, ``zero1``-``zero3``, ``tp``, ``sp``) or a plan.json path."""
+    world_size: int = 2
+    """Number of ranks."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    micro_batch: int = 2
+    """Samples per micro-batch on each data-parallel rank."""
+    global_batch: int = 4
+    """Samples per optimizer step over all ranks: ``micro_batch * grad_accum * dp``."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: compute in bf16 from fp32 master weights."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different samples."""
+        return 1 if self.plan in _NO_DP_PLANS else self.world_size
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("world_size", "grad_accum", "micro_batch", "global_batch"):
+            if getattr(self, name) < 1:
+                problems.append(Problem(obj=f"parallel.{name}", value=str(getattr(self, name)),
+                                        rule="at least 1"))
+        if not problems and self.global_batch != self.micro_batch * self.grad_accum * self.dp:
+            problems.append(Problem(
+                obj="parallel.global_batch", value=str(self.global_batch),
+                rule=f"global_batch({self.global_batch}) != micro_batch({self.micro_batch}) * "
+                     f"grad_accum({self.grad_accum}) * dp({self.dp})"
+                     + (f" (plan {self.plan!r}: dp = 1)" if self.plan in _NO_DP_PLANS
+                        else f" (plan {self.plan!r}: dp = world_size)"),
+                fix=f"set global_batch to {self.micro_batch * self.grad_accum * self.dp}, "
+                    "or change micro_batch or grad_accum"))
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When and where checkpoints are written."""
+
+    dir: str | None = None
+    """Checkpoint folder; ``None`` is ``<run_dir>/checkpoints``."""
+    every: int = 100
+    """Save every this many steps (and at the end); 0 saves only at the end."""
+    keep: int = 3
+    """Keep the newest this many checkpoints; older ones are deleted after a good save."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.every < 0:
+            problems.append(Problem(obj="checkpoint.every", value=str(self.every),
+                                    rule="a number of steps >= 0"))
+        if self.keep < 1:
+            problems.append(Problem(obj="checkpoint.keep", value=str(self.keep), rule="at least 1"))
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run."""
+
+    run_dir: str = "runs/default"
+    """Everything the run writes goes under here: logs, generated code, checkpoints."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed of the model's initialization, the data and every rank's RNG."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """The learning-rate schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Ranks, plan and batch sizes."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    log_every: int = 10
+    """Log metrics every this many steps."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.steps < 1:
+            problems.append(Problem(obj="steps", value=str(self.steps), rule="at least 1"))
+        if self.log_every < 1:
+            problems.append(Problem(obj="log_every", value=str(self.log_every), rule="at least 1"))
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+
+
+# ---------------------------------------------------------------- loading
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read ``path`` (YAML, safely), apply ``--section.field=value`` overrides, check it all.
+
+    Override values are parsed as YAML, so ``--optim.lr=3e-4``, ``--steps=10``
+    and ``--optim.clip_grad_norm=null`` give a float, an int and ``None``.
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    data: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(Problem(obj="config file", value=str(path),
+                                      rule=f"a readable YAML file ({e.strerror})")) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(Problem(obj="config file", value=str(path),
+                                      rule=f"valid YAML: {e}")) from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(Problem(obj="config file", value=str(path),
+                                      rule=f"a mapping of sections, not {type(data).__name__}"))
+    problems: list[Problem] = []
+    for item in overrides:
+        _apply_override(data, item, problems)
+    if problems:
+        raise ConfigError(problems, header="invalid overrides")
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Build a :class:`TrainConfig` from plain data, collecting every problem."""
+    problems: list[Problem] = []
+    config = _build(TrainConfig, data, "", problems)
+    if problems:
+        raise ConfigError(problems, header="invalid config")
+    return config
+
+
+def _apply_override(data: dict[str, Any], item: str, problems: list[Problem]) -> None:
+    text = item[2:] if item.startswith("--") else item
+    key, eq, raw = text.partition("=")
+    if not eq or not key:
+        problems.append(Problem(obj="override", value=repr(item),
+                                rule="--section.field=value", fix="e.g. --optim.lr=3e-4"))
+        return
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    *sections, last = key.split(".")
+    node = data
+    for s in sections:
+        nxt = node.setdefault(s, {})
+        if not isinstance(nxt, dict):
+            problems.append(Problem(obj=key, value=repr(nxt), rule=f"{s!r} is a section"))
+            return
+        node = nxt
+    node[last] = value
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[Problem]) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        problems.append(Problem(obj=where, value=repr(data),
+                                rule=f"a mapping of {cls.__name__} fields"))
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            problems.append(Problem(obj=f"{prefix}{key}", value=repr(data[key]),
+                                    rule=f"a field of {cls.__name__}: {', '.join(fields)}",
+                                    fix="check the spelling"))
+    kwargs: dict[str, Any] = {}
+    ok = True
+    for name in fields:
+        if name not in data:
+            continue
+        value, good = _check(hints[name], data[name], f"{prefix}{name}", problems)
+        ok &= good
+        kwargs[name] = value
+    if not ok or any(k not in fields for k in data):
+        return None
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return None
+
+
+def _check(tp: Any, value: Any, name: str, problems: list[Problem]) -> tuple[Any, bool]:
+    """``value`` converted to ``tp`` where that is lossless (int → float, list → tuple)."""
+    if dataclasses.is_dataclass(tp):
+        n = len(problems)
+        built = _build(tp, value, name + ".", problems)
+        return built, len(problems) == n and built is not None
+    converted = _convert(tp, value)
+    if converted is _BAD:
+        problems.append(Problem(obj=name, value=repr(value), rule=f"must be {_describe(tp)}"))
+        return None, False
+    return converted, True
+
+
+_BAD = object()
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _convert(tp: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        return value if any(value == a and type(value) is type(a) for a in args) else _BAD
+    if origin in (Union, types.UnionType):
+        for a in args:
+            out = _convert(a, value)
+            if out is not _BAD:
+                return out
+        return _BAD
+    if tp is type(None):
+        return None if value is None else _BAD
+    if tp is bool:
+        return value if isinstance(value, bool) else _BAD
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
+        return _BAD
+    if tp is str:
+        return value if isinstance(value, str) else _BAD
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            return _BAD
+        out = tuple(_convert(a, v) for a, v in zip(args, value))
+        return _BAD if any(o is _BAD for o in out) else out
+    if origin is dict or tp is dict:
+        return dict(value) if isinstance(value, dict) else _BAD
+    return _BAD
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if tp is type(None):
+        return "null"
+    if origin is tuple:
+        return f"a list of {len(args)}: [" + ", ".join(_describe(a) for a in args) + "]"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    names = {int: "an int", float: "a number", str: "a string", bool: "true or false"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
+    "ParallelConfig", "ScheduleConfig", "TrainConfig", "config_from_dict", "load_config",
+]
