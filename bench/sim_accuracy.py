@@ -1,0 +1,259 @@
+"""Simulator accuracy on this machine: predicted against measured step time and memory.
+
+1. Calibrate: ``torchweave calibrate`` (its functions) at each world size, so
+   the cluster spec holds this machine's measured per-rank matmul rate, copy
+   bandwidth, gloo α-β and per-op dispatch overhead, for that many ranks on
+   these cores.
+2. Measure: for each plan (dp, zero1, zero2, zero3, tp, sp) one launch of N
+   gloo ranks (1 torch thread each) trains a GPT (d=256, 4 layers, 8 heads,
+   vocab 4096, block 128, global batch 8 x 128; the workload of
+   bench/parallel.py): 2 warm-up steps, then 5 timed ``train_step`` calls, each
+   after a barrier; the time is the slowest rank's median.
+   Memory per rank, in bytes of distinct tensor storages (not RSS):
+
+   - *model state*: parameters, gradients and optimizer state held after
+     backward (``module.params``, ZeRO's flat master and its gradient, AdamW
+     state) — what ``tw_memory`` in bench/parallel.py counts;
+   - *activations*: the storages autograd saves for backward during one
+     forward (a ``saved_tensors_hooks`` pack hook; parameters excluded).
+
+   The measured peak is state + activations; the simulated one is the same
+   sum: ``params + grads + optimizer + activations`` of ``SimResult.memory``
+   (its ``buffers`` and ``temporaries`` are printed but left out of both).
+3. Simulate each plan with ``torchweave.sim.simulate(graph, plan, cluster)``.
+4. Print predicted vs measured with relative errors and the median absolute
+   error; write it to bench/results-sim-accuracy.md.
+
+Run: python bench/sim_accuracy.py [--worlds 2 4] [--plans dp zero1 ...] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from parallel import GPT_BATCH, GPT_KW, OPTIMIZER, held_bytes, make_gpt, tw_memory  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results-sim-accuracy.md")
+PLANS = ["dp", "zero1", "zero2", "zero3", "tp", "sp"]
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- calibrate
+
+
+def calibrate(world: int, out: str) -> Any:
+    """``torchweave calibrate --world-sizes world --out out``; the cluster it wrote."""
+    from rich.console import Console
+
+    from torchweave.commands import calibrate_cmd
+    from torchweave.sim.cluster import load_cluster_yaml
+
+    calibrate_cmd(argparse.Namespace(world_sizes=[world], out=out, quick=False), Console())
+    return load_cluster_yaml(out)
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def _saved_bytes_hooks(exclude: set[int], seen: dict[int, int]):
+    """Pack hook that records the storages autograd saves (parameters excluded)."""
+
+    def record(t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:
+            return
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr and ptr not in exclude:
+            seen[ptr] = s.nbytes()
+
+    return record
+
+
+def _measure_plan(ctx, plan: str, warmup: int, steps: int) -> dict[str, Any]:
+    from torchweave.parallel import parallelize
+    from torchweave.runtime.executor import StepConfig
+
+    model, batch = make_gpt()
+    module = parallelize(model, batch, plan=plan, groups=ctx.groups, optimizer=OPTIMIZER,
+                         config=StepConfig(overlap=True, bucket_mb=25.0))
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        module.train_step(*batch)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+
+    # One more step, split: activations saved during its forward, model state after backward.
+    exclude = {p.untyped_storage().data_ptr() for p in module.params.values()}
+    if module.opt is not None:
+        exclude.add(module.opt.master.untyped_storage().data_ptr())
+    seen: dict[int, int] = {}
+    record = _saved_bytes_hooks(exclude, seen)
+    if module.opt is not None and module.opt.stage >= 3:
+        # ZeRO-3 installs its own pack hook (innermost wins): wrap it, and count what
+        # it leaves as a plain tensor (its gathered units are parameters).
+        inner = module.opt.saved_tensor_hooks
+
+        def composed(cast, _inner=inner):
+            h = _inner(cast)
+
+            def pack(t):
+                x = h.pack_hook(t)
+                if x is t:
+                    record(t)
+                return x
+
+            return torch.autograd.graph.saved_tensors_hooks(pack, h.unpack_hook)
+
+        module.opt.saved_tensor_hooks = composed
+        module.backward_step(*batch)
+    else:
+        def pack(t):
+            record(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            module.backward_step(*batch)
+    state = tw_memory(module)
+    module.optimizer_step()
+    return {"s": statistics.median(times), "state": state, "act": sum(seen.values())}
+
+
+def rank_main(ctx, plans: list[str], warmup: int, steps: int) -> dict[str, Any]:
+    out = {}
+    for plan in plans:
+        try:
+            out[plan] = _measure_plan(ctx, plan, warmup, steps)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out[plan] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]}
+    return out
+
+
+def measure(world: int, plans: list[str], warmup: int, steps: int) -> dict[str, Any]:
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    cfg = LaunchConfig(world_size=world, backend="gloo", timeout_s=120.0, threads_per_rank=1)
+    per_rank = spawn(rank_main, cfg, plans, warmup, steps)
+    out = {}
+    for plan in plans:
+        rs = [r[plan] for r in per_rank]
+        if any("error" in r for r in rs):
+            out[plan] = next(r for r in rs if "error" in r)
+            continue
+        out[plan] = {"s": max(r["s"] for r in rs),  # the slowest rank's median
+                     "mem": max(r["state"] + r["act"] for r in rs),
+                     "state": max(r["state"] for r in rs), "act": max(r["act"] for r in rs)}
+    return out
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def simulate_plans(world: int, plans: list[str], cluster) -> dict[str, Any]:
+    import torchweave
+    from torchweave.policies import resolve
+    from torchweave.sim import simulate
+
+    model, batch = make_gpt()
+    graph = torchweave.capture(model, batch)
+    out = {}
+    for plan in plans:
+        res = simulate(graph, resolve(plan, graph, world), cluster)
+        mems = [m.params + m.grads + m.optimizer + m.activations for m in res.memory]
+        i = max(range(len(mems)), key=mems.__getitem__)
+        m = res.memory[i]
+        out[plan] = {"s": res.step_time, "mem": mems[i],
+                     "state": m.params + m.grads + m.optimizer, "act": m.activations,
+                     "temp": m.temporaries, "compute": max(res.compute_time),
+                     "comm": max(res.comm_time)}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--plans", nargs="+", default=PLANS, choices=PLANS)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    header = ["| plan | world | predicted ms | measured ms | time err | predicted MiB | "
+              "measured MiB | mem err | sim compute / comm ms | state MiB pred/meas | "
+              "activations MiB pred/meas |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows, terr, merr, specs = [], [], [], []
+    for world in args.worlds:
+        spec = os.path.join(tempfile.gettempdir(), f"tw-cpu-{world}.yaml")
+        cluster = calibrate(world, spec)
+        d = cluster.device
+        specs.append(f"- {world} ranks: matmul {d.peak.fp32 / 1e9:.3g} GFLOP/s/rank, copy "
+                     f"{d.memory_bandwidth / 1e9:.3g} GB/s, gloo α {d.intra.latency * 1e6:.0f} µs "
+                     f"β {d.intra.bandwidth / 1e9:.3g} GB/s"
+                     + (f", per-op overhead {d.op_overhead * 1e6:.1f} µs"
+                        if getattr(d, "op_overhead", 0) else ""))
+        print(specs[-1], flush=True)
+        sim = simulate_plans(world, args.plans, cluster)
+        real = measure(world, args.plans, args.warmup, args.steps)
+        for plan in args.plans:
+            p, r = sim[plan], real[plan]
+            if "error" in r:
+                rows.append(f"| {plan} | {world} | {p['s'] * 1e3:.1f} | failed: {r['error']} "
+                            f"| | | | | | | |")
+                print(rows[-1], flush=True)
+                continue
+            te, me = p["s"] / r["s"] - 1, p["mem"] / r["mem"] - 1
+            terr.append(abs(te))
+            merr.append(abs(me))
+            rows.append(
+                f"| {plan} | {world} | {p['s'] * 1e3:.1f} | {r['s'] * 1e3:.1f} | {te:+.0%} | "
+                f"{p['mem'] / MiB:.1f} | {r['mem'] / MiB:.1f} | {me:+.0%} | "
+                f"{p['compute'] * 1e3:.0f} / {p['comm'] * 1e3:.0f} | "
+                f"{p['state'] / MiB:.1f} / {r['state'] / MiB:.1f} | "
+                f"{p['act'] / MiB:.1f} / {r['act'] / MiB:.1f} |")
+            print(rows[-1], flush=True)
+    elapsed = time.perf_counter() - t_start
+    summary = (f"Median absolute error: time {statistics.median(terr):.0%} (target ≤ 20%), "
+               f"memory {statistics.median(merr):.0%} (target ≤ 15%), over {len(terr)} runs."
+               if terr else "No successful runs.")
+    print("\n" + summary)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    b, t = GPT_BATCH
+    lines = [
+        "# bench/sim_accuracy.py results", "",
+        f"{stamp}; torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPU cores, gloo, 1 thread per rank; GPT d={GPT_KW['d_model']} "
+        f"L={GPT_KW['n_layer']} H={GPT_KW['n_head']} V={GPT_KW['vocab_size']}, batch {b}x{t}, "
+        f"fp32, AdamW; warm-up {args.warmup}, median of {args.steps} timed steps (slowest rank); "
+        f"run took {elapsed:.0f} s.", "",
+        "Calibrated clusters:", "", *specs, "",
+        *header, *rows, "", summary, "",
+        "Memory = parameters + gradients + optimizer state + saved activations, bytes of "
+        "distinct storages per rank (max over ranks); the simulator's buffers and temporaries "
+        "are not in either column.", "",
+    ]
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {args.out} ({elapsed:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
