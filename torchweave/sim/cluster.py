@@ -277,6 +277,9 @@ def _convert(hint: Any, value: Any, where: str, problems: list[Problem], base: A
         return _bad(where, value, "must be a list of strings", problems, "write [\"a\", \"b\"]")
     if hint is object:
         return value
+    if hint is bool:
+        return value if isinstance(value, bool) else _bad(where, value, "must be true or false",
+                                                          problems, "write true or false")
     if hint is str:
         return value if isinstance(value, str) else _bad(where, value, "must be a string", problems,
                                                          "quote it")

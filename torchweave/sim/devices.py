@@ -104,6 +104,11 @@ class Device:
     by real work (factors default to 1)."""
     sources: tuple[str, ...]
     """Where the numbers come from, by title."""
+    comm_overlaps_compute: bool = True
+    """Whether collectives run beside compute (a GPU's copy engines and NICs,
+    NCCL's own SMs). ``False`` where they take the same core as compute (gloo on
+    a CPU rank with one thread): the simulator then runs a rank's communication
+    on its compute stream too, one after the other."""
 
     def __post_init__(self) -> None:
         where = f"device {self.name}"
@@ -234,7 +239,7 @@ _ENTRIES = (
         intra=Link(bandwidth=1.07 * GB, latency=50e-6,
                    kind="gloo over loopback (4 MiB all-reduce ~ 4 ms at 2 ranks)"),
         inter=Link(bandwidth=1.25 * GB / 2, latency=100e-6, kind="10 Gb/s Ethernet (estimate)"),
-        node_size=2, price_per_hour=0.04, rates="measured",
+        node_size=2, price_per_hour=0.04, rates="measured", comm_overlaps_compute=False,
         sources=("PLATFORM.md, 'Speed and memory on these 2 cores': GPT step at ~170 GFLOP/s "
                  "on 2 threads, split over 2 ranks (measured 2026-12-01)",
                  "PLATFORM.md, 'torch.distributed on gloo': 4 MiB all-reduce ~ 4 ms at 2 ranks"),

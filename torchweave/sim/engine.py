@@ -8,6 +8,9 @@ Each rank runs its :class:`Task` list in order. A task waits for named values
   (``key`` set) starts when every member of its ``group`` has reached the task
   with the same key, each member's arrival being ``max(comm stream free,
   its inputs ready)``; it then occupies every member's comm stream for ``dur``;
+- on a rank in ``serial`` (a device whose communication does not overlap
+  compute, ``Device.comm_overlaps_compute``), a ``COMM`` task also waits for
+  and occupies the compute stream, and the next compute task waits for it;
 - ``LOCAL``: takes no time and no stream; it only passes readiness on
   (views, local slices, identity backward steps).
 
@@ -59,8 +62,11 @@ class RankRun:
     comm_busy: float = 0.0
 
 
-def run(tasks: dict[int, list[Task]], *, record: bool = True) -> tuple[dict[int, RankRun], list[Event]]:
-    """Simulate every rank's task list; returns per-rank totals and the timeline."""
+def run(tasks: dict[int, list[Task]], *, record: bool = True,
+        serial: frozenset[int] | set[int] = frozenset()) -> tuple[dict[int, RankRun], list[Event]]:
+    """Simulate every rank's task list; returns per-rank totals and the timeline.
+
+    ``serial``: ranks whose communication runs on the compute stream too."""
     ranks = sorted(tasks)
     pc = {r: 0 for r in ranks}
     free = {r: {COMPUTE: 0.0, COMM: 0.0} for r in ranks}
@@ -78,6 +84,8 @@ def run(tasks: dict[int, list[Task]], *, record: bool = True) -> tuple[dict[int,
                 rd[name] = end
         if task.kind != LOCAL:
             free[r][task.kind] = end
+            if task.kind == COMM and r in serial:
+                free[r][COMPUTE] = end
             run_ = out[r]
             if task.kind == COMPUTE:
                 run_.compute_busy += end - start
@@ -98,6 +106,8 @@ def run(tasks: dict[int, list[Task]], *, record: bool = True) -> tuple[dict[int,
                 finish(r, task, dep, dep)
                 continue
             start = max(free[r][task.kind], dep)
+            if task.kind == COMM and r in serial:
+                start = max(start, free[r][COMPUTE])
             if task.key is None or len(task.group) <= 1:
                 finish(r, task, start, start + task.dur)
                 continue

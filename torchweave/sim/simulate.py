@@ -8,7 +8,8 @@ member of their group has reached them.
 
 Memory per rank: parameters, gradients and AdamW state (per ZeRO stage, from
 :func:`~torchweave.sim.memory.model_state_memory`), buffers, the activations
-saved for backward (every non-view compute output that carries a gradient) and
+saved for backward (the distinct storages that some op's backward needs, by
+the rule of :mod:`torchweave.sim.saved`; parameters excluded) and
 temporary buffers (the largest gradient bucket, or twice the largest single
 activation). A rank over its device's memory is out of memory.
 """
@@ -146,7 +147,8 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     tasks, feet = {}, {}
     for prog in programs:
         tasks[prog.rank], feet[prog.rank] = builder.tasks(prog)
-    runs, events = run(tasks, record=timeline)
+    serial = frozenset() if cluster.device.comm_overlaps_compute else frozenset(tasks)
+    runs, events = run(tasks, record=timeline, serial=serial)
     ranks = sorted(runs)
     step = max((runs[r].end for r in ranks), default=0.0)
 

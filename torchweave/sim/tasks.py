@@ -34,6 +34,7 @@ from torchweave.sim.cluster import Cluster
 from torchweave.sim.comm import Collective, collective_time
 from torchweave.sim.cost import ComputeModel, dtype_of, op_time
 from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
+from torchweave.sim.saved import ALIAS_OPS, STRIDING_OPS, Saves, packet, saves
 
 _DUAL = {  # forward step → collective its backward runs (None: local)
     steps.Split: Collective.ALL_GATHER, steps.ReduceScatter: Collective.ALL_GATHER,
@@ -73,13 +74,16 @@ class Builder:
     model: ComputeModel
     bucket_bytes: int
     costs: dict[str, NodeCost] = field(default_factory=dict)
+    saves: dict[str, Saves] = field(default_factory=dict)
     _comm_cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._paths = {path: v.name for v in self.graph.values.values()
                        if v.kind in ("param", "buffer") for path in (v.target, *v.aliases)}
+        self._nodes = {node.name: node for node in self.graph.nodes}
         for node in self.graph.nodes:
             self.costs[node.name] = self._node_cost(node)
+            self.saves[node.name] = saves(self.graph, node)
 
     # ---------------------------------------------------------------- sizes
     def itemsize(self, value: str) -> int:
@@ -135,6 +139,13 @@ class Builder:
         for s in prog.inputs:
             nbytes[s.local] = g.values[s.local].meta.nbytes if s.local in g.values else 0
         zero = self.plan.zero
+        # Activations: distinct storages that some op saves for backward (saved.py).
+        # ``root`` maps a value to the value owning its storage; ``strided`` holds
+        # non-contiguous views (a reshape of one copies).
+        not_act = {s.local for s in prog.params if not s.is_buffer}
+        root: dict[str, str] = {}
+        strided: set[str] = set()
+        kept: dict[str, float] = {}
         fwd: list[Task] = []
         first_reader: dict[str, int] = {}
         refs_of: dict[int, list[str]] = {}
@@ -152,17 +163,47 @@ class Builder:
                                             ("zf", p, grp), grp))
                 for o, b in zip(ins.outputs, cost.out_bytes):
                     nbytes[o] = b
+                self._storages(ins, refs, root, strided)
+                sv, node = self.saves[ins.node], self._nodes[ins.node]
+                pos = refs if len(refs) == len(node.input_refs()) else []
+                for v in [pos[i] for i in sv.inputs if i < len(pos)] + [
+                        ins.outputs[i] for i in sv.outputs if i < len(ins.outputs)]:
+                    base = root.get(v, v)
+                    if v not in not_act and base not in not_act:
+                        kept[base] = nbytes.get(base, 0.0)
+                if sv.extra and cost.out_bytes:
+                    foot.activations += int(sv.extra * cost.out_bytes[0])
                 free = cost.fwd == 0.0
                 if not free and cost.grad:
-                    foot.activations += sum(cost.out_bytes)
                     foot.temporaries = max(foot.temporaries, 2 * max(cost.out_bytes, default=0))
                 fwd.append(Task(LOCAL if free else COMPUTE, ins.node, tuple(refs), ins.outputs, cost.fwd))
             elif isinstance(ins, Comm):
                 if ins.src in params:
                     first_reader.setdefault(ins.src, idx)
                 fwd.append(self._comm_fwd(ins, r, nbytes))
+                if fwd[-1].kind == LOCAL:  # a local slice or an identity: same storage
+                    root[ins.dst] = root.get(ins.src, ins.src)
+        foot.activations += int(sum(kept.values()))
         tasks = fwd + self._backward(prog, params, first_reader, refs_of, nbytes, foot)
         return tasks, foot
+
+    def _storages(self, ins: Compute, refs: list[str], root: dict[str, str],
+                  strided: set[str]) -> None:
+        """Record which of ``ins``'s outputs share an input's storage."""
+        op = packet(self._nodes[ins.node])
+        if not refs:
+            return
+        src = refs[0]
+        alias = op in ALIAS_OPS or (op == "reshape" and src not in strided)
+        if op == "to":  # returns its input when the dtype does not change
+            g = self.graph.values
+            alias = all(o in g and src in g and g[o].meta.dtype == g[src].meta.dtype
+                        for o in ins.outputs)
+        if alias:
+            for o in ins.outputs:
+                root[o] = root.get(src, src)
+                if op in STRIDING_OPS or src in strided:
+                    strided.add(o)
 
     def _comm_fwd(self, ins: Comm, r: int, nbytes: dict[str, float]) -> Task:
         step, b = ins.step, nbytes.get(ins.src, 0.0)
