@@ -30,8 +30,8 @@ def _same(a: dict, b: dict) -> list[str]:
 
 def _scenario(ctx, tmp: str, model, inputs, other, other_inputs):
     from torchweave.parallel import parallelize
-    from torchweave.train.checkpoint import (
-        CheckpointError, latest, load, load_latest, optimizer_state, save)
+    from torchweave.train.checkpoint import CheckpointError, latest, optimizer_state, save
+    from torchweave.train.restore import load, load_latest
 
     ckpt = Path(tmp) / "ckpt"
     out: dict = {}

@@ -22,9 +22,7 @@ rank 0 renames it to ``step-<N>`` and only then deletes checkpoints beyond
 ``keep``. A name without ``.tmp`` is therefore always complete, and a failed
 write leaves the older checkpoints as they were.
 
-Loading reads nothing through plain ``pickle``: tensors come through
-``torch.load(weights_only=True)`` (inside DCP), and DCP's ``.metadata`` through
-an unpickler that admits only DCP's metadata classes.
+Loading lives in :mod:`torchweave.train.restore`.
 
 Not yet: resharding (loading under another plan or world size). The rank
 files keep every rank's boxes and the plan so that it can be added.
@@ -34,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -45,8 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.runtime.executor import RankModule
@@ -316,223 +312,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# ---------------------------------------------------------------- load
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's ``Metadata`` is made of."""
-
-    _BUILTINS = {"set", "frozenset", "list", "dict", "tuple", "slice", "getattr"}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                               (torch.dtype, torch.layout,
-                                                                torch.memory_format))):
-            return getattr(torch, name)
-        if (module, name) in {("torch.serialization", "_get_layout"),  # layout from its name
-                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}:
-            return super().find_class(module, name)
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module == "builtins" and name in self._BUILTINS - {"getattr"}:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, "
-                                     "which a checkpoint never needs")
-
-
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError("checkpoint metadata is not DCP Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _corrupt(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(Problem(
-        obj="checkpoint", value=str(path), rule=f"a complete torchweave checkpoint: {what}",
-        fix="load an older checkpoint (it is kept), or start without --resume"))
-
-
-def _read_layout(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], Metadata]:
-    try:
-        meta = json.loads((path / _META).read_text())
-        if meta.get("format") != FORMAT:
-            raise _corrupt(path, f"format {meta.get('format')!r}, expected {FORMAT}")
-        ranks = [json.loads((path / f"rank{r}.json").read_text())
-                 for r in range(int(meta["world_size"]))]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _corrupt(path, _first_line(e)) from None
-    try:
-        md = _SafeReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
-        raise _corrupt(path, f"DCP metadata unreadable ({_first_line(e)})") from None
-    return meta, ranks, md
-
-
-def _check_model(module: RankModule, path: Path, ranks: list[dict[str, Any]]) -> None:
-    """The first tensor of the model whose shape or dtype the checkpoint does not match."""
-    found: dict[str, dict[str, Any]] = {}
-    for info in ranks:
-        for p, piece in info.get("pieces", {}).items():
-            found.setdefault(p, piece)
-    for slot in module.program.params:
-        expected = tuple(slot.full_shape)
-        dtype = str(module.params[slot.path].dtype).removeprefix("torch.")
-        have = found.get(slot.path)
-        if have is None:
-            value = "not in the checkpoint"
-        elif tuple(have["shape"]) != expected:
-            value = f"found shape {tuple(have['shape'])}"
-        elif have["dtype"] != dtype:
-            value = f"found dtype {have['dtype']}"
-        else:
-            continue
-        raise CheckpointError(Problem(
-            obj=f"tensor {slot.path}", value=value,
-            rule=f"the model expects shape {expected}, dtype {dtype}; checkpoint {path} "
-                 "is of a different model",
-            fix="load a checkpoint written by this model"))
-
-
-def load(path: str | os.PathLike, module: RankModule) -> Restored:
-    """Restore ``module``'s pieces and optimizer state from checkpoint ``path``; collective.
-
-    Nothing in ``module`` changes unless every rank read everything.
-    """
-    path = Path(path)
-    rank, world = _world()
-    error: Exception | None = None
-    plan_tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {}
-    ranks: list[dict[str, Any]] = []
-    try:
-        meta, ranks, md = _read_layout(path)
-        _check_model(module, path, ranks)
-        plan_tensors = _templates(module, path, meta, md, rank, world)
-    except CheckpointError as e:
-        error = e
-    _agree(error, "checkpoint load")
-
-    try:
-        dcp.load(plan_tensors, storage_reader=_SafeReader(path))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - truncated or altered files
-        error = _corrupt(path, f"reading tensors failed ({_first_line(e)})")
-    _agree(error, "checkpoint load")
-
-    _apply(module, plan_tensors, ranks[rank])
-    info = ranks[rank]
-    extra: dict[str, Any] = dict(info.get("extra", {}))
-    for k in info.get("extra_tensors", []):
-        extra[k] = plan_tensors[f"extra/rank{rank}/{k}"]
-    return Restored(step=int(meta["step"]), path=path, extra=extra)
-
-
-def load_latest(directory: str | os.PathLike, module: RankModule) -> Restored | None:
-    """Load the newest complete checkpoint under ``directory``; ``None`` if there is none."""
-    found = latest(directory)
-    return None if found is None else load(found, module)
-
-
-def _templates(module: RankModule, path: Path, meta: dict[str, Any], md: Metadata,
-               rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Empty tensors for every key this rank reads, shaped as the checkpoint says."""
-    sdm = md.state_dict_metadata
-    out: dict[str, torch.Tensor] = {}
-
-    def add(key: str, like: torch.Tensor | None = None) -> None:
-        item = sdm.get(key)
-        if not isinstance(item, TensorStorageMetadata):
-            raise _corrupt(path, f"tensor {key!r} missing from its DCP metadata")
-        if like is not None and tuple(item.size) != tuple(like.shape):
-            raise _corrupt(path, f"tensor {key!r} has shape {tuple(item.size)}, "
-                                 f"expected {tuple(like.shape)}")
-        out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-
-    resharding = int(meta["world_size"]) != world
-    for p, slot in module.slots.items():  # not state_pieces(): that is collective under ZeRO-3
-        box = slot.box
-        t = torch.empty([b - a for a, b in box], dtype=module.params[p].dtype)
-        key = f"param/{piece_key(p, box)}"
-        if resharding or key not in sdm:
-            raise CheckpointError(Problem(
-                obj="checkpoint", value=f"{path}: written by {meta['world_size']} ranks under "
-                                        f"plan {meta.get('plan_name')!r}",
-                rule=f"the same world size and plan as this run ({world} ranks, plan "
-                     f"{module.program.plan_name!r}); piece {key!r} is not in it",
-                fix="resume with the plan and world size that wrote it (resharding is not "
-                    "supported yet)"))
-        add(key, t)
-        for k in sdm:
-            if k.startswith(f"optim/{piece_key(p, box)}/"):
-                add(k)
-    if module.opt is not None:
-        prefix = f"zero/rank{rank}/"
-        add(prefix + "master", module.opt.master)
-        for k in sdm:
-            if k.startswith(prefix) and k != prefix + "master":
-                add(k)
-    for k in sdm:
-        if k.startswith(f"extra/rank{rank}/"):
-            add(k)
-    return out
-
-
-def _apply(module: RankModule, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
-    groups = info.get("optimizer_groups", {})
-    stage3 = module.opt is not None and module.opt.stage == 3
-    with torch.no_grad():
-        for p, t in module.params.items():
-            if stage3 and module.opt.owns(t):
-                continue  # held as the master shard
-            t.copy_(tensors[f"param/{piece_key(p, module.slots[p].box)}"])
-        if module.optimizer is not None:
-            for p, t in module.params.items():
-                prefix = f"optim/{piece_key(p, module.slots[p].box)}/"
-                st = _state_from(tensors, prefix)
-                if st:
-                    module.optimizer.state[t] = st
-            _set_groups(module.optimizer, groups.get("optimizer", []))
-        if module.opt is not None:
-            prefix = f"zero/rank{module.program.rank}/"
-            module.opt.master.copy_(tensors[prefix + "master"])
-            st = _state_from(tensors, prefix, skip="master")
-            if st:
-                module.opt.inner.state[module.opt.master] = st
-            _set_groups(module.opt.inner, groups.get("zero", []))
-
-
-def _state_from(tensors: dict[str, torch.Tensor], prefix: str, skip: str = "") -> dict[str, Any]:
-    st: dict[str, Any] = {}
-    for k, v in tensors.items():
-        if not k.startswith(prefix):
-            continue
-        name = k[len(prefix):]
-        if name == skip or "/" in name:
-            continue
-        if name.endswith("#int"):
-            st[name[:-4]] = int(v.item())
-        elif name.endswith("#float"):
-            st[name[:-6]] = float(v.item())
-        else:
-            st[name] = v
-    return st
-
-
-def _set_groups(opt: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
-    for group, entry in zip(opt.param_groups, saved):
-        for k, v in entry.items():
-            if k in group:
-                group[k] = tuple(v) if isinstance(group[k], tuple) and isinstance(v, list) else v
 
 
 __all__ = [
-    "CheckpointError", "OptimizerState", "Restored", "checkpoints", "latest", "load",
-    "load_latest", "optimizer_state", "save",
+    "CheckpointError", "OptimizerState", "Restored", "checkpoints", "latest", "optimizer_state",
+    "save",
 ]

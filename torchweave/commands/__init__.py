@@ -1,0 +1,12 @@
+"""Bodies of the cost-model subcommands of ``torchweave``: simulate, explain, calibrate.
+
+:mod:`torchweave.cli` parses the arguments and calls these; each takes the
+parsed ``argparse.Namespace`` and a rich ``Console`` and returns the exit
+status (0 ok, 1 the plan does not fit, 2 bad input via ``TorchweaveError``).
+"""
+
+from torchweave.commands.calibrate import calibrate_cmd, fit_alpha_beta
+from torchweave.commands.sim import explain_cmd, explain_plan, load_cluster, simulate_cmd
+
+__all__ = ["calibrate_cmd", "explain_cmd", "explain_plan", "fit_alpha_beta", "load_cluster",
+           "simulate_cmd"]
