@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--code", metavar="DIR", help="keep the generated per-rank code here")
     ver.set_defaults(run=_verify)
     _add_sim_commands(sub)
+    _add_train_commands(sub)
     models = sub.add_parser("models", help="list the bundled models")
     models.set_defaults(run=_models)
     return p
@@ -158,6 +159,35 @@ def _add_sim_commands(sub) -> None:
     cal.set_defaults(run=commands.calibrate_cmd)
 
 
+def _add_train_commands(sub) -> None:
+    tr = sub.add_parser(
+        "train", help="train from a YAML config on N local processes or under torchrun",
+        description="Train from a typed YAML config. Any field can be overridden as "
+        "--section.field=value (e.g. --optim.lr=3e-4 --parallel.world_size=4). Runs N local "
+        "processes, or joins the job when started by torchrun. Resumes from the newest "
+        "checkpoint in the run's checkpoint folder.")
+    tr.add_argument("config", nargs="?", metavar="CONFIG_YAML",
+                    help="the config (default: all defaults)")
+    tr.set_defaults(run=_train, overrides=True)
+    demo = sub.add_parser(
+        "demo", help="train a small GPT on the bundled text with 4 CPU ranks (about 2 minutes)",
+        description="The demo config (a character-level GPT, plan chosen by the simulator, "
+        "4 ranks), with --section.field=value overrides (e.g. --steps=100).")
+    demo.set_defaults(run=_demo, overrides=True)
+
+
+def _train(args: argparse.Namespace, console: Console) -> int:
+    from torchweave.commands.train import train_cmd
+
+    return train_cmd(args.config, args.extra, console)
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    from torchweave.commands.train import demo_cmd
+
+    return demo_cmd(args.extra, console)
+
+
 def _models(args: argparse.Namespace, console: Console) -> int:
     from torchweave.models import FACTORIES
 
@@ -168,7 +198,11 @@ def _models(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:
         return int(args.run(args, console))

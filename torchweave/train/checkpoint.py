@@ -24,8 +24,9 @@ write leaves the older checkpoints as they were.
 
 Loading lives in :mod:`torchweave.train.restore`.
 
-Not yet: resharding (loading under another plan or world size). The rank
-files keep every rank's boxes and the plan so that it can be added.
+Resharding (loading under another plan or world size) is in
+:mod:`torchweave.train.reshard`: the rank files keep every rank's boxes and
+each ZeRO member's map from its flat shard to the pieces it holds.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class Restored:
     step: int
     path: Path
     extra: dict[str, Any]
-    """This rank's ``extra`` as saved: JSON values and tensors."""
+    """This rank's ``extra`` as saved: JSON values and tensors. After resharding,
+    rank 0's JSON values only (per-rank tensors such as RNG states do not carry over)."""
+    same_layout: bool = True
+    """False when the checkpoint was written under another plan or world size."""
 
 
 # ---------------------------------------------------------------- keys
@@ -138,6 +142,23 @@ def optimizer_state(module: RankModule) -> OptimizerState:
         out.tensors.update(_state_tensors(prefix, module.opt.inner.state.get(module.opt.master, {})))
         out.groups["zero"] = _json_groups(module.opt.inner)
     return out
+
+
+def zero_spans(module: RankModule) -> dict[str, Any] | None:
+    """Which spans of this ZeRO member's flat shard hold which piece: for ``rank<r>.json``."""
+    opt = module.opt
+    if opt is None:
+        return None
+    paths = {id(t): p for p, t in module.params.items()}
+    lay = opt.layout
+    owned = [[paths[id(t)], [list(r) for r in module.slots[paths[id(t)]].box]] for t in opt.owned]
+    spans = []
+    for a, b, i in lay.segments(opt.index):
+        u = lay.unit_of[i]
+        off = a - lay.starts[u] + opt.index * lay.cols[u] - lay.offsets[i]
+        spans.append([a, b, i, off])
+    return {"owned": owned, "spans": spans}
+
 
 
 # ---------------------------------------------------------------- collective helpers
@@ -247,6 +268,7 @@ def save(module: RankModule, optimizer_state_: OptimizerState | None, step: int,
                           "dtype": str(t.dtype).removeprefix("torch.")}
                    for path, (box, t) in pieces.items()},
         "optimizer_groups": opt.groups,
+        "zero": zero_spans(module),
         "extra": json_extra,
         "extra_tensors": sorted(k for k, v in (extra or {}).items() if isinstance(v, torch.Tensor)),
     }
@@ -316,5 +338,5 @@ def _fsync_dir(path: Path) -> None:
 
 __all__ = [
     "CheckpointError", "OptimizerState", "Restored", "checkpoints", "latest", "optimizer_state",
-    "save",
+    "save", "zero_spans",
 ]

@@ -9,6 +9,7 @@ rules between fields (batch arithmetic, say) and shows the arithmetic.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -48,17 +49,24 @@ class ModelConfig:
 class DataConfig:
     """Where training batches come from."""
 
-    kind: Literal["synthetic", "text"] = "synthetic"
-    """``synthetic``: seeded random tokens; ``text``: a character-tokenized corpus."""
+    kind: str = "synthetic"
+    """``synthetic``: seeded random tokens; ``text``: a character-tokenized corpus;
+    or ``package.module:callable`` returning a map-style dataset whose items are
+    tuples of tensors (called with ``kwargs``)."""
     seq_len: int = 16
     """Tokens per sample."""
     vocab_size: int = 256
     """Token ids are drawn below this (synthetic data only)."""
     path: str | None = None
     """Text file for ``kind: text``; ``None`` is the corpus shipped with torchweave."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of a ``module:callable`` dataset."""
 
     def __post_init__(self) -> None:
         problems = []
+        if self.kind not in ("synthetic", "text") and ":" not in self.kind:
+            problems.append(Problem(obj="data.kind", value=repr(self.kind),
+                                    rule="one of 'synthetic', 'text', or 'package.module:callable'"))
         if self.seq_len < 1:
             problems.append(Problem(obj="data.seq_len", value=str(self.seq_len), rule="at least 1"))
         if self.vocab_size < 1:
@@ -72,8 +80,11 @@ class DataConfig:
 class OptimConfig:
     """The optimizer of every parameter piece."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer: AdamW or SGD (with momentum 0.9)."""
+    name: str = "adamw"
+    """``adamw``, ``sgd`` (momentum 0.9), or an optimizer class by import path
+    (``torch.optim:Adam``, ``package.module:MyOptimizer``), built with ``lr`` and ``kwargs``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the optimizer."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -85,6 +96,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if self.name not in ("adamw", "sgd") and ":" not in self.name:
+            problems.append(Problem(obj="optim.name", value=repr(self.name),
+                                    rule="one of 'adamw', 'sgd', or 'package.module:Class'"))
         if not (math.isfinite(self.lr) and self.lr > 0):
             problems.append(Problem(obj="optim.lr", value=repr(self.lr), rule="a finite number > 0"))
         if not self.weight_decay >= 0:
@@ -106,13 +120,29 @@ class ScheduleConfig:
 
     warmup_steps: int = 0
     """Steps of linear warm-up from 0 to ``optim.lr``."""
-    kind: Literal["constant", "cosine"] = "constant"
-    """After warm-up: keep ``optim.lr``, or decay it to 0 along a cosine by the last step."""
+    kind: str = "constant"
+    """After warm-up: ``constant`` keeps ``optim.lr``; ``cosine`` and ``linear`` decay it
+    to ``min_lr_ratio * lr`` by the last step; or ``package.module:callable``, called as
+    ``callable(step, total_steps, **kwargs)`` and returning the LR multiplier."""
+    min_lr_ratio: float = 0.0
+    """Where ``cosine`` and ``linear`` end, as a fraction of ``optim.lr``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of a ``module:callable`` schedule."""
 
     def __post_init__(self) -> None:
+        problems = []
         if self.warmup_steps < 0:
-            raise ConfigError(Problem(obj="schedule.warmup_steps", value=str(self.warmup_steps),
-                                      rule="a number of steps >= 0"))
+            problems.append(Problem(obj="schedule.warmup_steps", value=str(self.warmup_steps),
+                                    rule="a number of steps >= 0"))
+        if self.kind not in ("constant", "cosine", "linear") and ":" not in self.kind:
+            problems.append(Problem(obj="schedule.kind", value=repr(self.kind),
+                                    rule="one of 'constant', 'cosine', 'linear', or "
+                                         "'package.module:callable'"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(Problem(obj="schedule.min_lr_ratio", value=repr(self.min_lr_ratio),
+                                    rule="a number in [0, 1]"))
+        if problems:
+            raise ConfigError(problems)
 
 
 # Plans whose every rank holds a different part of each sample (no data parallelism).
@@ -124,7 +154,9 @@ class ParallelConfig:
     """How the work is split over ranks."""
 
     plan: str = "dp"
-    """A built-in policy (``dp``, ``zero1``-``zero3``, ``tp``, ``sp``) or a plan.json path."""
+    """A built-in policy (``dp``, ``zero1``-``zero3``, ``tp``, ``sp``), a plan.json path,
+    or ``auto``: the data-parallel policy (``dp``, ``zero1``-``zero3``) the simulator
+    predicts fastest on this machine among those that fit in memory."""
     world_size: int = 2
     """Number of ranks."""
     grad_accum: int = 1
@@ -206,13 +238,24 @@ class TrainConfig:
     """Checkpoints."""
     log_every: int = 10
     """Log metrics every this many steps."""
+    max_bad_steps: int = 3
+    """A step whose loss or gradient norm is NaN or inf is skipped (and counted);
+    this many in a row abort the run."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in the checkpoint folder, if any."""
+    tensorboard: bool = True
+    """Also write metrics as TensorBoard events under ``<run_dir>/tensorboard``."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (log lines instead when not on a terminal)."""
+    threads_per_rank: int = 1
+    """Intra-op threads of each local rank (CPU)."""
 
     def __post_init__(self) -> None:
         problems = []
-        if self.steps < 1:
-            problems.append(Problem(obj="steps", value=str(self.steps), rule="at least 1"))
-        if self.log_every < 1:
-            problems.append(Problem(obj="log_every", value=str(self.log_every), rule="at least 1"))
+        for name in ("steps", "log_every", "max_bad_steps", "threads_per_rank"):
+            if getattr(self, name) < 1:
+                problems.append(Problem(obj=name, value=str(getattr(self, name)),
+                                        rule="at least 1"))
         if problems:
             raise ConfigError(problems)
 
@@ -222,14 +265,15 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------- loading
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (),
+                base: dict[str, Any] | None = None) -> TrainConfig:
     """Read ``path`` (YAML, safely), apply ``--section.field=value`` overrides, check it all.
 
     Override values are parsed as YAML, so ``--optim.lr=3e-4``, ``--steps=10``
     and ``--optim.clip_grad_norm=null`` give a float, an int and ``None``.
     Raises :class:`ConfigError` listing every problem found.
     """
-    data: Any = {}
+    data: Any = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         try:
             text = Path(path).read_text()

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torchweave.errors import Problem
 from torchweave.runtime.executor import RankModule
 
+from torchweave.train.reshard import apply_resharded, reads
 from torchweave.train.checkpoint import (
     CheckpointError,
     FORMAT,
@@ -130,10 +131,13 @@ def load(path: str | os.PathLike, module: RankModule) -> Restored:
     plan_tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {}
     ranks: list[dict[str, Any]] = []
+    same = True
     try:
         meta, ranks, md = _read_layout(path)
         _check_model(module, path, ranks)
-        plan_tensors = _templates(module, path, meta, md, rank, world)
+        same = _same_layout(module, meta, md, rank, world)
+        plan_tensors = (_templates(module, path, meta, md, rank, world) if same
+                        else reads(module, ranks, md, path))
     except CheckpointError as e:
         error = e
     _agree(error, "checkpoint load")
@@ -144,12 +148,40 @@ def load(path: str | os.PathLike, module: RankModule) -> Restored:
         error = _corrupt(path, f"reading tensors failed ({_first_line(e)})")
     _agree(error, "checkpoint load")
 
+    if not same:
+        try:
+            apply_resharded(module, ranks, plan_tensors)
+        except (KeyError, RuntimeError, IndexError) as e:  # pieces that do not cover a tensor
+            error = _corrupt(path, f"resharding failed ({_first_line(e)})")
+        _agree(error, "checkpoint load")
+        groups = ranks[0].get("optimizer_groups", {})
+        saved = groups.get("optimizer") or groups.get("zero") or []
+        for opt in (module.optimizer, module.opt.inner if module.opt is not None else None):
+            if opt is not None:
+                _set_groups(opt, saved)
+        return Restored(step=int(meta["step"]), path=path, extra=dict(ranks[0].get("extra", {})),
+                        same_layout=False)
     _apply(module, plan_tensors, ranks[rank])
     info = ranks[rank]
     extra: dict[str, Any] = dict(info.get("extra", {}))
     for k in info.get("extra_tensors", []):
         extra[k] = plan_tensors[f"extra/rank{rank}/{k}"]
     return Restored(step=int(meta["step"]), path=path, extra=extra)
+
+
+def _same_layout(module: RankModule, meta: dict[str, Any], md: Metadata, rank: int,
+                 world: int) -> bool:
+    """Whether this rank's pieces and ZeRO shard are saved exactly as it holds them."""
+    if int(meta["world_size"]) != world:
+        return False
+    sdm = md.state_dict_metadata
+    if any(f"param/{piece_key(p, s.box)}" not in sdm for p, s in module.slots.items()):
+        return False
+    if module.opt is not None:
+        item = sdm.get(f"zero/rank{rank}/master")
+        return isinstance(item, TensorStorageMetadata) and \
+            tuple(item.size) == tuple(module.opt.master.shape)
+    return not any(k.startswith(f"zero/rank{rank}/") for k in sdm)
 
 
 def load_latest(directory: str | os.PathLike, module: RankModule) -> Restored | None:
@@ -173,19 +205,10 @@ def _templates(module: RankModule, path: Path, meta: dict[str, Any], md: Metadat
                                  f"expected {tuple(like.shape)}")
         out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
 
-    resharding = int(meta["world_size"]) != world
     for p, slot in module.slots.items():  # not state_pieces(): that is collective under ZeRO-3
         box = slot.box
         t = torch.empty([b - a for a, b in box], dtype=module.params[p].dtype)
         key = f"param/{piece_key(p, box)}"
-        if resharding or key not in sdm:
-            raise CheckpointError(Problem(
-                obj="checkpoint", value=f"{path}: written by {meta['world_size']} ranks under "
-                                        f"plan {meta.get('plan_name')!r}",
-                rule=f"the same world size and plan as this run ({world} ranks, plan "
-                     f"{module.program.plan_name!r}); piece {key!r} is not in it",
-                fix="resume with the plan and world size that wrote it (resharding is not "
-                    "supported yet)"))
         add(key, t)
         for k in sdm:
             if k.startswith(f"optim/{piece_key(p, box)}/"):
