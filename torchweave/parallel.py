@@ -24,6 +24,7 @@ from torchweave.runtime.executor import (
     OptimizerFactory, RankModule, StepConfig, default_optimizer,
 )
 from torchweave.runtime.groups import GroupCache
+from torchweave.runtime.pipeline import PipelineModule
 
 
 @dataclass
@@ -54,6 +55,29 @@ def model_state(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]
     return state
 
 
+def _capture(model: torch.nn.Module, example_inputs: tuple[Any, ...], micro_batches: int,
+             precision: str) -> Graph:
+    if micro_batches > 1:
+        bad = [i for i, x in enumerate(example_inputs)
+               if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % micro_batches)]
+        if bad:
+            raise TorchweaveError(Problem(
+                obj=f"example input {bad[0]}", value=str(tuple(example_inputs[bad[0]].shape)),
+                rule=f"the batch divides into {micro_batches} micro-batches: "
+                     f"{example_inputs[bad[0]].shape[0] if example_inputs[bad[0]].dim() else 0} "
+                     f"% {micro_batches} != 0",
+                fix="use a batch that is a multiple of the micro-batch count",
+            ))
+        example_inputs = tuple(x.chunk(micro_batches)[0] if isinstance(x, torch.Tensor) else x
+                               for x in example_inputs)
+    target, inputs = model, example_inputs
+    if precision == "bf16":
+        target = copy.deepcopy(model).to(device="meta", dtype=torch.bfloat16)
+        inputs = tuple(x.to(device="meta", dtype=torch.bfloat16 if x.is_floating_point() else x.dtype)
+                       if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    return capture(target, inputs)
+
+
 def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
                  world_size: int, code_dir: str | None = None, micro_batches: int = 1,
                  precision: str = "fp32", only_rank: int | None = None) -> Compiled:
@@ -64,24 +88,14 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     ``precision="bf16"`` it is captured on a bf16 copy on the meta device, so the
     model's own casts (norms in fp32, say) are kept as written.
     """
-    if micro_batches > 1:
-        bad = [i for i, x in enumerate(example_inputs)
-               if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % micro_batches)]
-        if bad:
-            raise TorchweaveError(Problem(
-                obj=f"example input {bad[0]}", value=str(tuple(example_inputs[bad[0]].shape)),
-                rule=f"the batch divides into {micro_batches} micro-batches",
-                fix="use a batch that is a multiple of grad_accum",
-            ))
-        example_inputs = tuple(x.chunk(micro_batches)[0] if isinstance(x, torch.Tensor) else x
-                               for x in example_inputs)
-    target, inputs = model, example_inputs
-    if precision == "bf16":
-        target = copy.deepcopy(model).to(device="meta", dtype=torch.bfloat16)
-        inputs = tuple(x.to(device="meta", dtype=torch.bfloat16 if x.is_floating_point() else x.dtype)
-                       if isinstance(x, torch.Tensor) else x for x in example_inputs)
-    graph = capture(target, inputs)
+    graph = _capture(model, example_inputs, micro_batches, precision)
     resolved = resolve(plan, graph, world_size)
+    pipe = resolved.pipeline
+    if pipe is not None and pipe.micro_batches > 1 and micro_batches == 1:
+        # a pipeline's forward sees one micro-batch: capture that shape, plan again on it
+        graph = _capture(model, example_inputs, pipe.micro_batches, precision)
+        if not isinstance(plan, Plan):
+            resolved = resolve(plan, graph, world_size)
     validate(resolved, graph, world_size=world_size)
     programs = lower(graph, resolved)
     code_dir = code_dir or tempfile.mkdtemp(prefix="torchweave-code-")
@@ -99,7 +113,8 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
 def rank_module(compiled: Compiled, gc: GroupCache, *, optimizer: OptimizerFactory,
                 config: StepConfig) -> RankModule:
     rank = gc.rank
-    return RankModule(compiled.programs[rank], compiled.code_paths[rank], compiled.state, gc,
+    cls = PipelineModule if compiled.plan.pipeline is not None else RankModule
+    return cls(compiled.programs[rank], compiled.code_paths[rank], compiled.state, gc,
                       optimizer=optimizer, config=config, zero=compiled.plan.zero,
                       zero_group=compiled.zero_group(rank))
 

@@ -9,6 +9,7 @@ every parameter after the last optimizer step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import traceback
 import os
 from dataclasses import dataclass, field
@@ -183,7 +184,10 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
             report.error = "; ".join(errors)
             reports.append(report)
             continue
-        ref = _reference(case.model, case.inputs, case.steps, case.optimizer, case.config)
+        config = case.config
+        if comp.plan.pipeline is not None:  # one device runs the same micro-batches
+            config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
+        ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config)
         report.comm = per_rank[0]["comm"]
         report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
         shapes = {p.target: p.meta.shape for p in comp.graph.params()}

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program
+from torchweave.codegen.recompute import RecomputeRun, recompute_runs
+from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program, Segment
+from torchweave.lower.stages import reads
 from torchweave.lower.steps import (
     P2P, AllGather, AllReduce, AllToAll, GradAllReduce, Group, Narrow, ReduceScatter, Split,
 )
@@ -107,6 +109,7 @@ def render(prog: Program) -> str:
         f"Parameters held: {len(prog.params)} pieces. Do not edit: regenerate from the plan.",
         '"""',
         "import torch",
+        "import torch.utils.checkpoint",
         "",
         "from torchweave.runtime import comm as C",
         "from torchweave.runtime import p2p as P2P",
@@ -118,43 +121,91 @@ def render(prog: Program) -> str:
     p2p = {c.dst: c.step for c in prog.comms() if isinstance(c.step, P2P)}
     lines.append(f"STEPS = {{{', '.join(f'{k!r}: {_p2p_literal(v)}' for k, v in p2p.items())}}}")
     lines += ["", ""]
+    if prog.segments:
+        for seg in prog.segments:
+            lines += segment_function(prog, seg) + ["", ""]
+        return "\n".join(lines).rstrip() + "\n"
     args = ", ".join(i.local for i in prog.inputs)
     lines.append(f"def forward(rt, p, {args}):" if args else "def forward(rt, p):")
     lines.append(f'    """This rank\'s pieces of the forward pass; returns its loss term."""')
-    first_use = _first_uses(prog)
-    for i, ins in enumerate(prog.instrs):
-        for prm in first_use.get(i, []):
-            box = ", ".join(f"{a}:{b}" for a, b in prm.box)
-            lines.append(f"    {prm.local} = p[{prm.path!r}]  # [{box}] of {tuple(prm.full_shape)}")
-        if isinstance(ins, Compute):
-            call = ", ".join([literal(a) for a in ins.args]
-                             + [f"{k}={literal(v)}" for k, v in ins.kwargs.items()])
-            outs = [o or "_" for o in ins.outputs]
-            lhs = outs[0] if ins.structure == "single" else ", ".join(outs) + ("," if len(outs) == 1 else "")
-            line = f"    {lhs} = {_callable(ins.fn)}({call})"
-            lines.append(f"{line}  # {ins.comment}" if ins.comment else line)
-        elif isinstance(ins, Comm):
-            lines.append(f"    {_comm_line(prog, ins)}  # {ins.comment}")
-        elif isinstance(ins, Free):
-            lines.append(f"    del {', '.join(ins.names)}")
+    lines += body(prog, prog.instrs, {prog.loss or ""})
     lines.append(f"    return {prog.loss or 'None'}")
     return "\n".join(lines) + "\n"
 
 
-def _first_uses(prog: Program) -> dict[int, list]:
+def segment_function(prog: Program, seg: Segment) -> list[str]:
+    """One pipeline stage's part of this rank's forward, as ``stage{s}(rt, p, *inputs, b)``.
+
+    ``b`` holds what the stage receives from other ranks and from this rank's
+    other stages; the function returns its loss term (or None) and the
+    tensors it hands on.
+    """
+    args = ", ".join([i.local for i in prog.inputs] + ["b"])
+    recv = ", ".join(f"{k.key} (from ranks {sorted({t.src for t in k.step.transfers if t.dst == prog.rank})})"
+                     for k in seg.recvs) or "nothing from other ranks"
+    sends = ", ".join(f"{k.local} (to ranks {sorted({t.dst for t in k.step.transfers if t.src == prog.rank})})"
+                      for k in seg.sends) or "nothing to other ranks"
+    lines = [f"def stage{seg.stage}(rt, p, {args}):",
+             f'    """Stage {seg.stage} for one micro-batch. Receives {recv}; sends {sends}."""']
+    for name in [k.key for k in seg.recvs] + seg.inputs:
+        lines.append(f"    {name} = b[{name!r}]")
+    keep = set(seg.outputs) | {seg.loss or ""}
+    lines += body(prog, seg.instrs, keep)
+    read = {n for ins in seg.instrs for n in reads(ins)}
+    for prm in prog.params:
+        if prm.local in seg.outputs and prm.local not in read:
+            lines.append(f"    {prm.local} = p[{prm.path!r}]  # sent to another stage")
+    outs = ", ".join(f"{n!r}: {n}" for n in seg.outputs)
+    lines.append(f"    return {seg.loss or 'None'}, {{{outs}}}")
+    return lines
+
+
+def body(prog: Program, instrs: list, keep: set[str]) -> list[str]:
+    """Lines of a function body running ``instrs`` (recompute groups wrapped)."""
+    lines: list[str] = []
+    first_use = _first_uses(prog, instrs)
+    for run in recompute_runs(prog, instrs):
+        if isinstance(run, RecomputeRun):
+            lines += run.render(prog, first_use, keep, line)
+            continue
+        i, ins = run
+        for prm in first_use.get(i, []):
+            lines.append(param_line(prm))
+        text = line(prog, ins)
+        if text:
+            lines.append(text)
+    return lines
+
+
+def param_line(prm) -> str:
+    box = ", ".join(f"{a}:{b}" for a, b in prm.box)
+    return f"    {prm.local} = p[{prm.path!r}]  # [{box}] of {tuple(prm.full_shape)}"
+
+
+def line(prog: Program, ins) -> str:
+    """One instruction as one line of code (with its four-space indent)."""
+    if isinstance(ins, Compute):
+        call = ", ".join([literal(a) for a in ins.args]
+                         + [f"{k}={literal(v)}" for k, v in ins.kwargs.items()])
+        outs = [o or "_" for o in ins.outputs]
+        lhs = outs[0] if ins.structure == "single" else ", ".join(outs) + ("," if len(outs) == 1 else "")
+        text = f"    {lhs} = {_callable(ins.fn)}({call})"
+        return f"{text}  # {ins.comment}" if ins.comment else text
+    if isinstance(ins, Comm):
+        return f"    {_comm_line(prog, ins)}  # {ins.comment}"
+    if isinstance(ins, Free):
+        return f"    del {', '.join(ins.names)}"
+    return ""
+
+
+def _first_uses(prog: Program, instrs: list | None = None) -> dict[int, list]:
     """Instruction index → parameters read there first (read each just in time,
     so that a ZeRO-3 parameter is gathered when it is needed)."""
     by_local = {p.local: p for p in prog.params}
     seen: set[str] = set()
     out: dict[int, list] = {}
-    for i, ins in enumerate(prog.instrs):
-        if isinstance(ins, Compute):
-            names = [a.name for a in _refs((ins.args, ins.kwargs))]
-        elif isinstance(ins, Comm):
-            names = [ins.src]
-        else:
-            names = []
-        for n in names:
+    for i, ins in enumerate(prog.instrs if instrs is None else instrs):
+        for n in reads(ins):
             if n in by_local and n not in seen:
                 seen.add(n)
                 out.setdefault(i, []).append(by_local[n])
@@ -165,12 +216,6 @@ def read_order(prog: Program) -> list[str]:
     """Parameter paths in the order the generated ``forward`` first reads them."""
     uses = _first_uses(prog)
     return [prm.path for i in sorted(uses) for prm in uses[i]]
-
-
-def _refs(tree: Any) -> list[LocalRef]:
-    import torch.utils._pytree as pytree
-
-    return [x for x in pytree.tree_leaves(tree) if isinstance(x, LocalRef)]
 
 
 def _p2p_literal(step: P2P) -> str:

@@ -21,6 +21,7 @@ from torchweave.lower.pieces import (
 from torchweave.lower.program import (
     Comm, Compute, Free, InputSlot, LocalRef, ParamSlot, Program,
 )
+from torchweave.lower.stages import insert_frees, split_stages
 from torchweave.lower.steps import Group, devices_of, name_of
 from torchweave.ops import info
 from torchweave.plan.layout import Layout, Piece, full_box
@@ -246,29 +247,15 @@ class Lowering:
 
 def _insert_frees(prog: Program) -> None:
     """``del`` each local tensor after its last use (keeps peak memory honest)."""
-    last: dict[str, int] = {}
-    keep = {prog.loss} | {i.local for i in prog.inputs}
-    for i, ins in enumerate(prog.instrs):
-        used: list[Any] = []
-        if isinstance(ins, Compute):
-            used = [x.name for x in pytree.tree_leaves((ins.args, ins.kwargs)) if isinstance(x, LocalRef)]
-        elif isinstance(ins, Comm):
-            used = [ins.src]
-        for u in used:
-            last[u] = i
-    frees: dict[int, list[str]] = {}
-    for name, i in last.items():
-        if name not in keep:
-            frees.setdefault(i, []).append(name)
-    out = []
-    for i, ins in enumerate(prog.instrs):
-        out.append(ins)
-        if i in frees:
-            out.append(Free(tuple(sorted(frees[i]))))
-    prog.instrs = out
+    prog.instrs = insert_frees(prog.instrs, {prog.loss or ""} | {i.local for i in prog.inputs})
 
 
 def lower(graph: Graph, plan: Plan) -> list[Program]:
     """Validate ``plan`` and lower it to one Program per rank."""
     validate(plan, graph)
-    return Lowering(graph, plan).run()
+    programs = Lowering(graph, plan).run()
+    if plan.pipeline is not None:
+        split_stages(programs, graph, plan)
+    for prog in programs:
+        prog.recompute = [tuple(g) for g in plan.recompute]
+    return programs

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from torchweave.lower.steps import Box, Group, Step
+from torchweave.lower.steps import P2P, Box, Group, Step
+from torchweave.plan.schedules import Action
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,41 @@ class InputSlot:
     name: str
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """A value crossing from a stage on one device group to a stage on another.
+
+    The same on every rank it touches; the runtime sends and receives its
+    transfers (and their gradients back) as the schedule reaches them.
+    """
+
+    key: str
+    """The name the receivers bind; the same on every rank."""
+    index: int
+    """Position among all boundaries of the plan (message tags derive from it)."""
+    step: P2P
+    local: str
+    """On a sender, the tensor it sends from; on a receiver, the name it binds."""
+    grad: bool
+    """Floating point: the gradient flows back along ``step.grad_back``."""
+    dtype: str = "torch.float32"
+
+
+@dataclass
+class Segment:
+    """The part of one rank's forward that belongs to one pipeline stage."""
+
+    stage: int
+    instrs: list["Instr"]
+    inputs: list[str] = field(default_factory=list)
+    """Names from this rank's other segments (handed over in memory)."""
+    outputs: list[str] = field(default_factory=list)
+    """Names that this rank's later segments read, or that are sent."""
+    recvs: list[Boundary] = field(default_factory=list)
+    sends: list[Boundary] = field(default_factory=list)
+    loss: str | None = None
+
+
 @dataclass
 class Program:
     """What one rank runs for one training step's forward."""
@@ -94,6 +130,13 @@ class Program:
     loss_group: Group | None = None
     """Ranks whose loss terms add up to the loss (for logging)."""
     mesh: str = ""
+    segments: list[Segment] = field(default_factory=list)
+    """Pipelined plans: one segment per stage this rank runs, in stage order."""
+    actions: list[Action] = field(default_factory=list)
+    """Pipelined plans: this rank's compute actions (its group's schedule row)."""
+    micro_batches: int = 1
+    recompute: list[tuple[str, ...]] = field(default_factory=list)
+    """Groups of nodes whose activations are recomputed in backward."""
 
     def comms(self) -> list[Comm]:
         return [i for i in self.instrs if isinstance(i, Comm)]

@@ -6,6 +6,9 @@
 - **op-assign** ``assign(node, piece, device)``: where each piece runs. Two
   pieces of a node on one device run one after the other (co-shard).
 - **op-order** ``order(a, b)``: piece ``a`` runs before piece ``b`` on their device.
+- **pipelines** (``pipeline``): stages on device groups (op-assign of whole
+  stages), micro-batches (op-trans of the batch) and a schedule (op-order of
+  stage actions); see :mod:`torchweave.plan.pipeline`.
 
 Built-in policies, user policies and the search all build this one type. It
 prints as a table, round-trips through versioned JSON and is validated before
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from torchweave.plan.layout import Mesh
+from torchweave.plan.pipeline import Pipeline
 
 VERSION = 1
 PieceIndex = tuple[int, ...]
@@ -72,6 +76,10 @@ class Plan:
     zero_axis: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
     """Free-form provenance: the policy and its arguments, the search's reasons."""
+    pipeline: Pipeline | None = None
+    """Stages on device groups, micro-batches and the schedule (see :mod:`torchweave.plan.pipeline`)."""
+    recompute: list[tuple[str, ...]] = field(default_factory=list)
+    """Groups of nodes whose activations are recomputed in backward instead of kept."""
 
     # ------------------------------------------------------------ primitives
     def split(self, node: str, dim: str, parts: int) -> "Plan":
@@ -140,6 +148,10 @@ class Plan:
             "zero_axis": self.zero_axis,
             "notes": self.notes,
         }
+        if self.pipeline is not None:
+            data["pipeline"] = self.pipeline.to_data()
+        if self.recompute:
+            data["recompute"] = [list(g) for g in self.recompute]
         return json.dumps(data, indent=1)
 
     @staticmethod
@@ -158,6 +170,8 @@ class Plan:
             mesh=Mesh(tuple((a, int(n)) for a, n in data["mesh"])) if data.get("mesh") else None,
             zero=int(data.get("zero", 0)), zero_axis=data.get("zero_axis"),
             notes=dict(data.get("notes", {})),
+            pipeline=Pipeline.from_data(data["pipeline"]) if data.get("pipeline") else None,
+            recompute=[tuple(g) for g in data.get("recompute", [])],
         )
         for node, ts in data["trans"].items():
             plan.trans[node] = [Trans(node, d, int(p)) for d, p in ts]
@@ -178,6 +192,10 @@ class Plan:
             b = (other.transforms(node), other.assignment.get(node))
             if a != b:
                 out.append(f"{node}: {_fmt(*a)}  →  {_fmt(*b)}")
+        if self.pipeline != other.pipeline:
+            out.append(f"pipeline: {_pipe(self.pipeline)}  →  {_pipe(other.pipeline)}")
+        if self.recompute != other.recompute:
+            out.append(f"recompute: {self.recompute}  →  {other.recompute}")
         for attr in ("world_size", "zero", "zero_axis"):
             if getattr(self, attr) != getattr(other, attr):
                 out.append(f"{attr}: {getattr(self, attr)}  →  {getattr(other, attr)}")
@@ -187,3 +205,9 @@ class Plan:
 def _fmt(trans: list[Trans], devices: list[int] | None) -> str:
     t = " ".join(map(str, trans)) or "whole"
     return f"{t} on {devices}"
+
+
+def _pipe(p: Pipeline | None) -> str:
+    if p is None:
+        return "none"
+    return f"{p.kind}, {p.stages} stages on {len(p.groups)} groups, {p.micro_batches} micro-batches"

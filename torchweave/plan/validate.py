@@ -5,6 +5,7 @@ from __future__ import annotations
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
+from torchweave.plan.pipeline import check_pipeline, check_schedule
 from torchweave.plan.plan import Plan
 
 
@@ -42,8 +43,38 @@ def validate(plan: Plan, graph: Graph, *, world_size: int | None = None) -> None
     for node in graph.nodes:
         problems.extend(_check_node(plan, graph, node))
     problems.extend(_check_orders(plan, names))
+    problems.extend(_check_recompute(plan, names))
+    if plan.pipeline is not None:
+        devices = {n: set(ds) for n, ds in plan.assignment.items()}
+        producer = graph.producers()
+        edges = [(producer[r.name].name, n.name) for n in graph.nodes for r in n.input_refs()
+                 if r.name in producer]
+        problems.extend(check_pipeline(plan.pipeline, world_size=plan.world_size, nodes=names,
+                                       devices_of=devices, edges=edges))
+        if plan.zero == 3:
+            problems.append(Problem(obj=f"plan {plan.name!r}", value="zero=3 with a pipeline",
+                                    rule="pipelined plans shard optimizer state and gradients "
+                                         "(ZeRO 1-2), not parameters",
+                                    fix="use zero=1 or zero=2"))
     if problems:
         raise PlanError(problems, header=f"plan {plan.name!r} is invalid for {graph.model_name!r}")
+    if plan.pipeline is not None:
+        check_schedule(plan.pipeline)
+
+
+def _check_recompute(plan: Plan, names) -> list[Problem]:
+    out = []
+    seen: dict[str, int] = {}
+    for i, group in enumerate(plan.recompute):
+        for n in group:
+            if n not in names:
+                out.append(Problem(obj=f"recompute group {i}", value=f"node {n!r}",
+                                   rule="recompute groups name nodes of the graph"))
+            elif n in seen:
+                out.append(Problem(obj=f"recompute group {i}", value=f"node {n!r}",
+                                   rule=f"a node is in one recompute group; also in group {seen[n]}"))
+            seen[n] = i
+    return out
 
 
 def _check_node(plan: Plan, graph: Graph, node) -> list[Problem]:

@@ -7,12 +7,14 @@ function or a Plan into a Plan.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Union
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.data import dp, zero1, zero2, zero3
+from torchweave.policies.pipeline import SCHEDULES, pipeline
 from torchweave.policies.random import random_plan
 from torchweave.policies.tensor import sp, tp
 
@@ -20,7 +22,9 @@ Policy = Callable[..., Plan]
 POLICIES: dict[str, Policy] = {
     "dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "tp": tp, "sp": sp,
     "random": random_plan,
+    **{name: functools.partial(pipeline, schedule=name) for name in SCHEDULES},
 }
+_PIPELINE_OPTIONS = ("pp", "tp", "dp", "micro", "virtual", "stages", "zero")
 PlanLike = Union[Plan, Policy, str]
 
 
@@ -31,6 +35,8 @@ def resolve(plan: PlanLike, graph: Graph, world_size: int) -> Plan:
     if isinstance(plan, str) and plan.endswith(".json"):
         with open(plan) as f:
             return Plan.from_json(f.read())
+    if isinstance(plan, str) and ":" in plan:
+        return _with_options(plan, graph, world_size)
     if isinstance(plan, str):
         if plan not in POLICIES:
             raise TorchweaveError(Problem(
@@ -48,4 +54,24 @@ def resolve(plan: PlanLike, graph: Graph, world_size: int) -> Plan:
                                   rule="a Plan, a policy function or a policy name"))
 
 
-__all__ = ["POLICIES", "dp", "resolve", "random_plan", "sp", "tp", "zero1", "zero2", "zero3"]
+def _with_options(text: str, graph: Graph, world_size: int) -> Plan:
+    """``"1f1b:micro=8,tp=2"``: a pipeline schedule's name with overridden defaults."""
+    name, _, rest = text.partition(":")
+    problems, options = [], {}
+    if name not in SCHEDULES:
+        problems.append(Problem(obj="plan", value=repr(text),
+                                rule=f"options follow a pipeline schedule's name: {', '.join(SCHEDULES)}"))
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if key not in _PIPELINE_OPTIONS or not eq or not value.isdigit():
+            problems.append(Problem(obj=f"plan {text!r}", value=repr(item),
+                                    rule=f"options are KEY=N with KEY one of {', '.join(_PIPELINE_OPTIONS)}",
+                                    fix="e.g. '1f1b:micro=8,tp=2'"))
+            continue
+        options[key] = int(value)
+    if problems:
+        raise TorchweaveError(problems)
+    return pipeline(graph, world_size, schedule=name, **options)
+
+
+__all__ = ["POLICIES", "dp", "pipeline", "resolve", "random_plan", "sp", "tp", "zero1", "zero2", "zero3"]

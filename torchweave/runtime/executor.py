@@ -120,15 +120,18 @@ class RankModule:
             return t.to(torch.bfloat16)
         return t
 
+    def param_view(self) -> Any:
+        """What generated code reads as ``p``: path → piece, cast (ZeRO-3: gathered on use)."""
+        if self.opt is None:
+            return {k: self._cast(v) for k, v in self.params.items()}
+        return self.opt.view(self.params, self._cast)
+
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | None:
         """This rank's forward pass; its local loss term (or None)."""
         inputs = tuple(self._cast(x.to(self.rt.device)) for x in inputs)
         self.rt.tokens = []
-        if self.opt is None:
-            params = {k: self._cast(v) for k, v in self.params.items()}
-            return self.code.forward(self.rt, params, *inputs)
-        params = self.opt.view(self.params, self._cast)
-        if self.opt.stage < 3:
+        params = self.param_view()
+        if self.opt is None or self.opt.stage < 3:
             return self.code.forward(self.rt, params, *inputs)
         try:
             with self.opt.saved_tensor_hooks(self._cast):

@@ -1,0 +1,148 @@
+"""Pipeline policies: stages on device groups, micro-batches, a schedule; nothing else.
+
+``pipeline(graph, world_size, schedule=..., pp=..., tp=..., dp=..., ...)``
+builds a plan from the primitives in a fixed order:
+
+1. the tensor/data-parallel plan of one stage group (``tp`` and ``dp`` over
+   ``tp * dp`` devices, by the ``tp`` or ``dp`` policy), since every stage is
+   split the same way inside its group;
+2. the cut: nodes, in graph order, into ``pp * virtual`` stages of about equal
+   FLOPs, preferring cuts between numbered blocks (``blocks.3``);
+3. op-assign of each node's pieces to its stage's group (stage ``s`` on
+   pipeline rank ``s % pp``: interleaved stages loop over the groups);
+4. op-order: the built-in schedule over the pipeline ranks.
+
+The device mesh is ``pp × dp × tp``, row-major, so group ``k`` is devices
+``k·dp·tp … (k+1)·dp·tp − 1`` and ZeRO shards over ``dp`` inside each group.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.ir.graph import Graph
+from torchweave.ops import info
+from torchweave.plan.layout import Mesh
+from torchweave.plan.pipeline import Pipeline
+from torchweave.plan.plan import Plan
+from torchweave.plan.schedules import (
+    Schedule, check_stage_count, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
+    zero_bubble_h1,
+)
+from torchweave.policies.data import dp as dp_policy
+from torchweave.policies.tensor import tp as tp_policy
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
+             pp: int | None = None, tp: int = 1, dp: int = 1, micro: int | None = None,
+             virtual: int | None = None, stages: int | None = None, zero: int = 0) -> Plan:
+    """A pipelined plan: ``pp`` groups of ``dp * tp`` devices, ``micro`` micro-batches.
+
+    Defaults: ``pp = world_size / (dp * tp)``, ``virtual = 2`` stages per rank
+    for ``interleaved`` (else 1), ``micro = 2 * pp``.
+    """
+    if schedule not in SCHEDULES:
+        raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
+                                      rule=f"one of {', '.join(SCHEDULES)}"))
+    inner = tp * dp
+    if pp is None:
+        pp = world_size // inner if inner >= 1 and world_size % inner == 0 else 0
+    if pp < 1 or pp * inner != world_size:
+        raise TorchweaveError(Problem(
+            obj=f"{schedule} plan", value=f"pp={pp}, dp={dp}, tp={tp}",
+            rule=f"the mesh covers the world: pp({pp}) * dp({dp}) * tp({tp}) = {pp * inner} "
+                 f"!= world_size({world_size})",
+            fix=f"choose pp, dp and tp whose product is {world_size}"))
+    virtual = virtual or (2 if schedule == "interleaved" else 1)
+    if virtual > 1 and schedule != "interleaved":
+        raise TorchweaveError(Problem(obj=f"{schedule} plan", value=f"virtual={virtual}",
+                                      rule="only the interleaved schedule runs several stages per rank",
+                                      fix="use schedule='interleaved', or virtual=1"))
+    n_stages = pp * virtual
+    if stages is not None:
+        check_stage_count(stages, pp, virtual)
+    micro = micro or 2 * pp
+    order = _schedule(schedule, pp, virtual, micro)
+    plan = _group_plan(graph, inner, tp, dp, zero)
+    stage_of = cut(graph, n_stages)
+    mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
+    groups = [tuple(range(k * inner, (k + 1) * inner)) for k in range(pp)]
+    stage_rank = list(loop_stage_to_rank(n_stages, pp).values())
+    for node, devices in plan.assignment.items():
+        group = groups[stage_rank[stage_of[node]]]
+        plan.assignment[node] = [group[d] for d in devices]
+    plan.world_size, plan.mesh = world_size, mesh
+    plan.name = schedule
+    plan.pipeline = Pipeline(groups=groups, stage_of=stage_of, stage_rank=stage_rank,
+                             micro_batches=micro, schedule=order, kind=schedule)
+    plan.notes["policy"] = (f"pipeline(schedule={schedule!r}, pp={pp}, dp={dp}, tp={tp}, "
+                            f"micro={micro}, virtual={virtual}, zero={zero})")
+    return plan
+
+
+def _schedule(name: str, pp: int, virtual: int, micro: int) -> Schedule:
+    if name == "gpipe":
+        return gpipe(pp, micro)
+    if name == "1f1b":
+        return one_f_one_b(pp, micro)
+    if name == "zb":
+        return zero_bubble_h1(pp, micro)
+    return interleaved_1f1b(pp, virtual, micro)
+
+
+def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int) -> Plan:
+    """The plan of one stage group, on devices ``0 … size-1``."""
+    if tp > 1:
+        plan = tp_policy(graph, size, tp_size=tp)
+        plan.zero, plan.zero_axis = zero, ("dp" if zero else None)
+        return plan
+    return dp_policy(graph, size, zero=zero)
+
+
+def _block(module: str) -> str:
+    """``blocks.3.attn`` → ``blocks.3``; outside numbered blocks, ``""``."""
+    parts = module.split(".")
+    for j, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:j + 1])
+    return ""
+
+
+def cut(graph: Graph, stages: int) -> dict[str, int]:
+    """Node → stage: graph order cut into ``stages`` runs of about equal FLOPs.
+
+    Cuts go where a numbered block starts or ends when there are enough such
+    places, else anywhere. Each stage gets at least one node.
+    """
+    nodes = graph.nodes
+    if stages > len(nodes):
+        raise TorchweaveError(Problem(
+            obj="pipeline stages", value=f"stages={stages}",
+            rule=f"each stage holds at least one op: stages({stages}) > ops({len(nodes)})",
+            fix="use fewer stages"))
+    cost = [info(graph, n).flops + 1.0 for n in nodes]
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    keys = [_block(n.module) for n in nodes]
+    places = [i for i in range(1, len(nodes)) if keys[i] != keys[i - 1]]
+    if len(places) < stages - 1:
+        places = list(range(1, len(nodes)))
+    cuts: list[int] = []
+    for j in range(1, stages):
+        target = prefix[-1] * j / stages
+        lo = cuts[-1] if cuts else 0
+        left = stages - 1 - j  # cuts still to place after this one
+        options = [i for i in places if i > lo and sum(1 for q in places if q > i) >= left]
+        cuts.append(min(options, key=lambda i: abs(prefix[i] - target)))
+    out: dict[str, int] = {}
+    stage = 0
+    for i, n in enumerate(nodes):
+        while stage < len(cuts) and i >= cuts[stage]:
+            stage += 1
+        out[n.name] = stage
+    return out

@@ -1,0 +1,238 @@
+"""Run one rank of a pipelined plan: walk its schedule row, one action at a time.
+
+- ``F`` (stage ``s``, micro-batch ``m``): receive the stage's inputs, run the
+  generated ``stage{s}`` on micro-batch ``m`` keeping its autograd graph, send
+  its outputs. Sends are posted (``isend``) and never waited on until the end
+  of the step, so the runtime keeps the dry run's promise that a send never
+  blocks; every message is tagged by (boundary, micro-batch, direction,
+  transfer), so a receive takes exactly the message it waits for.
+- ``B``: receive the gradients of what ``F`` sent, run backward from them (and
+  from the loss term on the last stage), send the gradients of what ``F``
+  received.
+- ``I`` then ``W`` (zero-bubble): ``I`` runs backward to the stage's inputs
+  only (keeping the graph) and sends their gradients; ``W`` later runs it to
+  the parameters. ``W`` walks the activation-gradient chain again, so it costs
+  about what ``B`` does; the order, not the arithmetic, is what ZB-H1 changes.
+
+After the last action, gradients are summed over their groups, ZeRO shards
+them, and clipping and the optimizer step follow, all as in
+:class:`~torchweave.runtime.executor.RankModule`, which this class extends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.lower.program import Boundary, Segment
+from torchweave.plan.schedules import Action, Kind
+from torchweave.runtime.counter import CommKind, Direction
+from torchweave.runtime.executor import RankModule
+
+_FWD, _BWD = 0, 1
+_TAG_TRANSFERS = 4096
+"""Room for this many transfers per boundary in a message tag."""
+
+
+def _region(t: torch.Tensor, box) -> torch.Tensor:
+    return t[tuple(slice(a, b) for a, b in box)]
+
+
+def _shape(box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+@dataclass
+class _Live:
+    """One (stage, micro-batch) between its F and its backward."""
+
+    loss: torch.Tensor | None
+    outputs: dict[str, torch.Tensor]
+    leaves: dict[str, torch.Tensor]
+    """Received and handed-over inputs: leaves whose gradients go back."""
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    roots: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+
+
+class PipelineModule(RankModule):
+    """One rank of a pipelined plan, with ``train_step(*batch)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        prog = self.program
+        if self.config.grad_accum != 1:
+            raise TorchweaveError(Problem(
+                obj="StepConfig.grad_accum", value=str(self.config.grad_accum),
+                rule="a pipelined plan takes its micro-batches from the plan",
+                fix=f"set grad_accum=1 (the plan runs {prog.micro_batches} micro-batches)"))
+        self.sync.enabled = False  # gradients are summed once, after the last action
+        self.segments: dict[int, Segment] = {seg.stage: seg for seg in prog.segments}
+        self.fns = {s: getattr(self.code, f"stage{s}") for s in self.segments}
+        self.micro = prog.micro_batches
+
+    # ------------------------------------------------------------ one step
+    def backward_step(self, *batch: torch.Tensor) -> float:
+        inputs = [self._cast(x.to(self.rt.device)) if isinstance(x, torch.Tensor) else x for x in batch]
+        self._micro = [torch.chunk(x, self.micro, dim=0) for x in inputs]
+        self._params = self.param_view()
+        self._live: dict[tuple[int, int], _Live] = {}
+        self._handed: dict[tuple[str, int], torch.Tensor] = {}
+        self._handed_grad: dict[tuple[str, int], torch.Tensor] = {}
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._loss = 0.0
+        for action in self.program.actions:
+            self.run(action)
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        self.sync.finish()
+        if self.opt is not None:
+            self.opt.finish_grads()
+        if self.config.clip_grad_norm is not None:
+            self.clip(self.config.clip_grad_norm)
+        return self._reported_loss()
+
+    def run(self, a: Action) -> None:
+        if a.kind is Kind.F:
+            self._forward(a.stage, a.micro)
+        elif a.kind is Kind.B:
+            self._backward(a.stage, a.micro, to_inputs=True, to_params=True)
+        elif a.kind is Kind.I:
+            self._backward(a.stage, a.micro, to_inputs=True, to_params=False)
+        elif a.kind is Kind.W:
+            self._backward(a.stage, a.micro, to_inputs=False, to_params=True)
+
+    def _forward(self, s: int, m: int) -> None:
+        seg = self.segments[s]
+        b: dict[str, torch.Tensor] = {}
+        for bd in seg.recvs:
+            b[bd.key] = self._recv(bd, m)
+        for name in seg.inputs:
+            src = self._handed.pop((name, m))
+            b[name] = src.detach().requires_grad_(src.requires_grad)
+        self.rt.tokens = []
+        inputs = [x[m] for x in self._micro]
+        loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
+        live = _Live(loss, outputs, b, list(self.rt.tokens))
+        self._live[(s, m)] = live
+        for bd in seg.sends:
+            self._send(bd, outputs[bd.local], m)
+        for name in seg.outputs:
+            if self._read_locally(name):
+                self._handed[(name, m)] = outputs[name]
+        if loss is not None:
+            self._loss += float(loss.detach()) / self.micro
+
+    def _read_locally(self, name: str) -> bool:
+        return any(name in seg.inputs for seg in self.segments.values())
+
+    def _backward(self, s: int, m: int, *, to_inputs: bool, to_params: bool) -> None:
+        seg, live = self.segments[s], self._live[(s, m)]
+        if to_inputs:  # B or I: collect the roots once
+            roots, grads = live.roots, live.grads
+            if live.loss is not None and live.loss.requires_grad:
+                roots.append(live.loss.float() / self.micro)
+                grads.append(torch.ones_like(roots[-1]))
+            for t in live.tokens:
+                roots.append(t)
+                grads.append(torch.ones_like(t) if t.numel() else torch.zeros_like(t))
+            for bd in seg.sends:
+                g = self._recv_grad(bd, live.outputs[bd.local], m)
+                if g is not None and live.outputs[bd.local].requires_grad:
+                    roots.append(live.outputs[bd.local])
+                    grads.append(g)
+            for name in seg.outputs:
+                g = self._handed_grad.pop((name, m), None)
+                if g is not None and live.outputs[name].requires_grad:
+                    roots.append(live.outputs[name])
+                    grads.append(g)
+        leaves = [t for t in live.leaves.values() if t.requires_grad]
+        if live.roots:
+            if to_inputs and to_params:
+                torch.autograd.backward(live.roots, live.grads)
+            elif to_inputs and leaves:
+                torch.autograd.backward(live.roots, live.grads, inputs=leaves, retain_graph=True)
+            elif to_params:
+                params = [p for p, _ in self.trainable]
+                torch.autograd.backward(live.roots, live.grads, inputs=params)
+        if to_inputs:
+            for bd in seg.recvs:
+                leaf = live.leaves[bd.key]
+                if bd.grad:
+                    self._send_grad(bd, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf), m)
+            for name in seg.inputs:
+                leaf = live.leaves[name]
+                if leaf.grad is not None:
+                    key = (name, m)
+                    prev = self._handed_grad.get(key)
+                    self._handed_grad[key] = leaf.grad if prev is None else prev + leaf.grad
+        if to_params:
+            del self._live[(s, m)]
+
+    # ------------------------------------------------------------ messages
+    def _tag(self, bd: Boundary, m: int, direction: int, j: int) -> int:
+        return ((bd.index * self.micro + m) * 2 + direction) * _TAG_TRANSFERS + j
+
+    def _post(self, data: torch.Tensor, dst: int, tag: int, direction: Direction) -> None:
+        data = data.detach().contiguous()
+        self.rt.gc.counter.record(CommKind.P2P, direction, (self.rt.rank, dst),
+                                  data.numel() * data.element_size())
+        self._pending.append((dist.isend(data, dst, tag=tag), data))
+
+    def _recv(self, bd: Boundary, m: int) -> torch.Tensor:
+        r = self.rt.rank
+        dtype = getattr(torch, bd.dtype.removeprefix("torch."))
+        out = torch.zeros(dict(bd.step.shapes)[r], dtype=dtype, device=self.rt.device)
+        for j, t in enumerate(bd.step.transfers):
+            if t.dst != r:
+                continue
+            piece = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.device)
+            dist.recv(piece, t.src, tag=self._tag(bd, m, _FWD, j))
+            target = _region(out, t.dst_box)
+            target.add_(piece) if t.add else target.copy_(piece)
+        if bd.grad and dtype.is_floating_point:
+            out.requires_grad_(True)
+        return out
+
+    def _send(self, bd: Boundary, x: torch.Tensor, m: int) -> None:
+        for j, t in enumerate(bd.step.transfers):
+            if t.src == self.rt.rank:
+                self._post(_region(x, t.src_box), t.dst, self._tag(bd, m, _FWD, j), Direction.FORWARD)
+
+    def _send_grad(self, bd: Boundary, g: torch.Tensor, m: int) -> None:
+        scale = dict(bd.step.grad_scale).get(self.rt.rank, 1.0)
+        if scale != 1.0:
+            g = g * scale
+        for j, t in enumerate(bd.step.grad_back):
+            if t.src == self.rt.rank:
+                self._post(_region(g, t.src_box), t.dst, self._tag(bd, m, _BWD, j), Direction.BACKWARD)
+
+    def _recv_grad(self, bd: Boundary, x: torch.Tensor, m: int) -> torch.Tensor | None:
+        if not bd.grad:
+            return None
+        holder = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        for j, t in enumerate(bd.step.grad_back):
+            if t.dst != self.rt.rank:
+                continue
+            piece = torch.empty(_shape(t.dst_box), dtype=x.dtype, device=x.device)
+            dist.recv(piece, t.src, tag=self._tag(bd, m, _BWD, j))
+            _region(holder, t.dst_box).add_(piece)
+        return holder
+
+    # ------------------------------------------------------------ loss
+    def _reported_loss(self) -> float:
+        """The step's loss on every rank: each partial term counted once, from the last stage."""
+        prog, world = self.program, self.program.world_size
+        buf = torch.zeros(2 * world, dtype=torch.float64, device=self.rt.device)
+        if prog.loss is not None:
+            index = prog.loss_partial[0]
+            buf[index] = self._loss
+            buf[world + index] = 1.0
+        dist.all_reduce(buf)
+        counts = buf[world:]
+        return float((buf[:world][counts > 0] / counts[counts > 0]).sum())
