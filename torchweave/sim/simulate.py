@@ -31,6 +31,10 @@ from torchweave.sim.memory import model_state_memory
 from torchweave.sim.tasks import Builder
 
 GiB = 2**30
+FOLD_NODES = 500
+"""Graphs this big are simulated by folding their repeated blocks (when they have them)."""
+SYMMETRY_RANKS = 16
+"""Plans on this many ranks are simulated one data-parallel replica for all (when symmetric)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +100,8 @@ class SimResult:
     usd_per_million_tokens: float
     oom: tuple[OutOfMemory, ...] = ()
     timeline: list[Event] = field(default_factory=list, repr=False)
+    notes: tuple[str, ...] = ()
+    """How the result was obtained where not every rank and op was simulated."""
 
     @property
     def bubble(self) -> float:
@@ -120,37 +126,61 @@ class SimResult:
             f"  $/M tokens     {self.usd_per_million_tokens:.4g}",
         ]
         lines += [f"  OUT OF MEMORY  {o}" for o in self.oom[:4]]
+        lines += [f"  note           {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Program] | None = None,
              dtype: torch.dtype | None = None, tokens_per_step: int | None = None,
              model: ComputeModel | None = None, bucket_bytes: int = 25 * 2**20,
-             strict: bool = False, timeline: bool = True) -> SimResult:
+             strict: bool = False, timeline: bool = True,
+             symmetry: bool | None = None, fold: bool | None = None) -> SimResult:
     """Simulate one training step of ``plan`` on ``cluster``.
 
     ``dtype`` overrides the floating dtype ops compute in (``torch.bfloat16``
     for mixed precision; ``None``: the graph's). ``tokens_per_step`` defaults
     to the elements of the first integer input (``idx [batch, seq]``), else its
     batch size. ``strict``: raise :class:`SimError` when a rank is out of memory.
+    ``symmetry``: lower and simulate one data-parallel replica for all
+    (:mod:`torchweave.sim.symmetry`); None: when the plan has more than two
+    replicas on ``SYMMETRY_RANKS`` ranks or more and no ``programs`` are
+    given. Per-rank results are the same for every replica; the timeline has replica 0's ranks only. ``fold``: simulate
+    2 and 3 of the model's identical blocks and extrapolate
+    (:mod:`torchweave.sim.fold`); None: for graphs of ``FOLD_NODES`` nodes or
+    more, when no ``programs`` are given.
     """
     if plan.world_size > cluster.size:
         raise SimError(Problem(obj=f"plan {plan.name!r}", value=f"{plan.world_size} ranks",
                                rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
                                fix=f"use a cluster of at least {plan.world_size} devices"))
-    if programs is None:
-        from torchweave.lower.lower import lower
+    if programs is None and fold is not False:
+        from torchweave.sim.fold import find_blocks
 
-        programs = lower(graph, plan)
+        blocks = find_blocks(graph, plan) if fold or len(graph.nodes) >= FOLD_NODES else None
+        if blocks is not None:
+            from torchweave.sim.folded import simulate_folded
+
+            return simulate_folded(graph, plan, cluster, blocks, dtype=dtype,
+                                   tokens_per_step=tokens_per_step, model=model,
+                                   bucket_bytes=bucket_bytes, strict=strict, timeline=timeline,
+                                   symmetry=symmetry)
+    rep = None
+    if programs is None:
+        programs, rep = _lower(graph, plan, symmetry)
     model = model or ComputeModel.for_device(cluster.device)
-    builder = Builder(graph, plan, cluster, dtype, model, bucket_bytes)
+    meet = frozenset(range(rep.size)) if rep else None
+    builder = Builder(graph, plan, cluster, dtype, model, bucket_bytes, meet=meet)
     tasks, feet = {}, {}
     for prog in programs:
         tasks[prog.rank], feet[prog.rank] = builder.tasks(prog)
     serial = frozenset() if cluster.device.comm_overlaps_compute else frozenset(tasks)
     runs, events = run(tasks, record=timeline, serial=serial)
+    step = max((r.end for r in runs.values()), default=0.0)
+    if rep:  # every replica runs what replica 0 does
+        runs = {r: runs[r % rep.size] for r in range(plan.world_size)}
+        feet = {r: feet[r % rep.size] for r in range(plan.world_size)}
+        programs = [programs[r % rep.size] for r in range(plan.world_size)]
     ranks = sorted(runs)
-    step = max((runs[r].end for r in ranks), default=0.0)
 
     precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     memory = []
@@ -158,13 +188,32 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         f = feet[r]
         dp = _zero_group(plan, programs[ranks.index(r)], r)
         state = model_state_memory(f.params, dp=dp, stage=plan.zero, precision=precision)
-        memory.append(MemoryUse(params=state.params, grads=state.grads, optimizer=state.optimizer,
+        # ZeRO-2 as the runtime runs it: autograd fills full local gradients, reduce-scattered
+        # to shards only after backward, so at the peak the gradients are not yet sharded.
+        grads = (state.grads if plan.zero != 2 else
+                 model_state_memory(f.params, dp=dp, stage=1, precision=precision).grads)
+        memory.append(MemoryUse(params=state.params, grads=grads, optimizer=state.optimizer,
                                 buffers=f.buffers, activations=f.activations,
                                 temporaries=f.temporaries))
+    notes = (f"{rep.count} data-parallel replicas of {rep.size} ranks: one lowered and simulated",
+             ) if rep else ()
+    return assemble(
+        plan, cluster, step=step, compute=tuple(runs[r].compute_busy for r in ranks),
+        comm=tuple(runs[r].comm_busy for r in ranks), memory=tuple(memory),
+        flops=sum(c.model_flops for c in builder.costs.values()),
+        tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
+        dtype=dtype, model=model, strict=strict, events=events, notes=notes)
+
+
+def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float, ...],
+             comm: tuple[float, ...], memory: tuple[MemoryUse, ...], flops: float, tokens: int,
+             dtype: torch.dtype | None, model: ComputeModel, strict: bool,
+             events: list[Event], notes: tuple[str, ...] = ()) -> SimResult:
+    """The :class:`SimResult` of per-rank busy times and memory: OOM, MFU, throughput, $."""
     oom = tuple(
         OutOfMemory(rank=r, device=cluster.device.name, peak=m.peak,
                     capacity=cluster.device.memory_bytes, contributors=tuple(m.contributors()))
-        for r, m in zip(ranks, memory) if m.peak > cluster.device.memory_bytes)
+        for r, m in enumerate(memory) if m.peak > cluster.device.memory_bytes)
     if strict and oom:
         raise SimError([Problem(obj=f"rank {o.rank} on {o.device}",
                                 value=f"{o.peak / GiB:.3g} GiB ({o.peak} bytes)",
@@ -172,22 +221,32 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
                                      + ", ".join(f"{w} {n / GiB:.3g} GiB" for w, n in o.contributors[:3]),
                                 fix="shard more (zero, tp), use more devices, or a bigger device")
                         for o in oom[:4]], header=f"plan {plan.name!r} is out of memory")
-
-    flops = sum(c.model_flops for c in builder.costs.values())
     peak = cluster.device.peak.of(precision_of(dtype or torch.float32, cluster.device, matmul=True,
                                                tf32=model.tf32))
-    tokens = tokens_per_step if tokens_per_step is not None else _tokens(graph)
     tps = tokens / step if step > 0 else 0.0
     usd = cluster.price_per_hour / 3600 * step / tokens * 1e6 if tokens else 0.0
     return SimResult(
-        plan_name=plan.name, cluster=str(cluster), world_size=len(ranks), step_time=step,
-        compute_time=tuple(runs[r].compute_busy for r in ranks),
-        comm_time=tuple(runs[r].comm_busy for r in ranks),
-        idle=tuple(1 - runs[r].compute_busy / step if step else 0.0 for r in ranks),
-        memory=tuple(memory), model_flops=flops,
+        plan_name=plan.name, cluster=str(cluster), world_size=len(memory), step_time=step,
+        compute_time=compute, comm_time=comm,
+        idle=tuple(max(0.0, 1 - c / step) if step else 0.0 for c in compute),
+        memory=memory, model_flops=flops,
         mfu=flops / (step * cluster.size * peak) if step else 0.0,
         tokens_per_step=tokens, tokens_per_s=tps, usd_per_million_tokens=usd, oom=oom,
-        timeline=events)
+        timeline=events, notes=notes)
+
+
+def _lower(graph: Graph, plan: Plan, symmetry: bool | None):
+    """Programs to simulate, and the replica symmetry used (None: every rank lowered)."""
+    from torchweave.lower.lower import lower
+    from torchweave.sim.symmetry import find_replicas, lift_programs, reduce_plan
+
+    rep = find_replicas(plan, [n.name for n in graph.nodes]) if symmetry is not False else None
+    if rep is not None and (symmetry or (rep.count > 2 and plan.world_size >= SYMMETRY_RANKS)):
+        # ``lower`` validates the reduced plan; the full one has its shape (find_replicas).
+        lifted = lift_programs(lower(graph, reduce_plan(plan, rep)), rep)
+        if lifted is not None:
+            return lifted, rep
+    return lower(graph, plan), None
 
 
 def _zero_group(plan: Plan, prog: Program, rank: int) -> int:

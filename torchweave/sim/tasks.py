@@ -26,7 +26,7 @@ import torch
 
 from torchweave.ir.graph import Graph
 from torchweave.lower import steps
-from torchweave.lower.pieces import node_pieces, tensor_box
+from torchweave.lower.pieces import PieceInfo, tensor_box
 from torchweave.lower.program import Comm, Compute, LocalRef, Program
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
@@ -73,9 +73,13 @@ class Builder:
     dtype: torch.dtype | None
     model: ComputeModel
     bucket_bytes: int
+    meet: frozenset[int] | None = None
+    """The ranks simulated, when only one data-parallel replica is (``sim/symmetry.py``):
+    a collective meets among these members of its group; None: every rank."""
     costs: dict[str, NodeCost] = field(default_factory=dict)
     saves: dict[str, Saves] = field(default_factory=dict)
     _comm_cache: dict = field(default_factory=dict)
+    _first: dict[str, tuple] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._paths = {path: v.name for v in self.graph.values.values()
@@ -101,12 +105,13 @@ class Builder:
         t = op_time(op, self.cluster.device, dtype=dt, model=self.model)
         frac = 1.0 / math.prod(tr.parts for tr in self.plan.transforms(node.name) if tr.dim)
         specs = op.bound.annotation.outputs
-        pieces = node_pieces(self.plan, node.name) if node.name in self.plan.assignment else []
+        piece = _first_piece(self.plan, node.name)
+        self._first[node.name] = (op.bound, piece)
         out = []
         for i, name in enumerate(node.outputs):
             meta = self.graph.values[name].meta
-            if pieces and i < len(specs):
-                numel = math.prod(b - a for a, b in tensor_box(op.bound, specs[i], meta.shape, pieces[0]))
+            if piece is not None and i < len(specs):
+                numel = math.prod(b - a for a, b in tensor_box(op.bound, specs[i], meta.shape, piece))
             else:
                 numel = meta.numel
             out.append(numel * self.itemsize(name))
@@ -160,7 +165,7 @@ class Builder:
                             grp = _mine(params[p].grad_groups, r)
                             fwd.append(Task(COMM, f"all_gather {params[p].path}", (), (p,),
                                             self.comm(Collective.ALL_GATHER, nbytes[p], grp),
-                                            ("zf", p, grp), grp))
+                                            ("zf", p, grp), self._meet(grp)))
                 for o, b in zip(ins.outputs, cost.out_bytes):
                     nbytes[o] = b
                 self._storages(ins, refs, root, strided)
@@ -213,6 +218,8 @@ class Builder:
             box = dict(step.boxes).get(r)
             nbytes[ins.dst] = (math.prod(hi - lo for lo, hi in box) * self.itemsize(ins.value)
                                if box else b)
+            if self.meet is not None:  # boxes are the reduced plan's: size it by the full plan
+                nbytes[ins.dst] = self._need_bytes(ins.consumer, ins.value, nbytes[ins.dst])
             return Task(LOCAL, name, waits, sets)
         if isinstance(step, steps.P2P):
             shape = dict(step.shapes).get(r)
@@ -229,7 +236,24 @@ class Builder:
         if coll is None:  # Split and GradAllReduce move nothing forward
             return Task(LOCAL, name, waits, sets)
         size = out if coll is Collective.ALL_GATHER else b
-        return Task(COMM, name, waits, sets, self.comm(coll, size, grp), ("f", ins.dst, grp), grp)
+        return Task(COMM, name, waits, sets, self.comm(coll, size, grp), ("f", ins.dst, grp),
+                    self._meet(grp))
+
+    def _need_bytes(self, consumer: str, value: str, default: float) -> float:
+        """Bytes of ``value`` that ``consumer``'s first piece reads, under the full plan."""
+        bound, piece = self._first.get(consumer, (None, None))
+        if piece is None:
+            return default
+        node = self._nodes[consumer]
+        for ref, spec in zip(node.input_refs(), bound.annotation.inputs):
+            if ref.name == value:
+                shape = self.graph.values[value].meta.shape
+                return math.prod(b - a for a, b in tensor_box(bound, spec, shape, piece)) * self.itemsize(value)
+        return default
+
+    def _meet(self, grp: tuple[int, ...]) -> tuple[int, ...]:
+        """The members of ``grp`` a collective waits for in the engine."""
+        return grp if self.meet is None else tuple(m for m in grp if m in self.meet)
 
     def _p2p(self, transfers, r: int, value: str) -> float:
         t = 0.0
@@ -242,6 +266,9 @@ class Builder:
     def _backward(self, prog: Program, params, first_reader, refs_of, nbytes,
                   foot: Footprint) -> list[Task]:
         r, zero, out = prog.rank, self.plan.zero, []
+        # ZeRO-1/2 reduce every owned gradient in one collective after backward
+        # (runtime/zero.py ``finish_grads``); plain data parallel and ZeRO-3 in buckets.
+        cap = math.inf if zero in (1, 2) else self.bucket_bytes
         buckets: dict[tuple, list[str]] = {}
         fill: dict[tuple, float] = {}
         count: dict[tuple, int] = {}
@@ -259,7 +286,7 @@ class Builder:
             tag = f"grad sync {n}"
             out.append(Task(COMM, f"{coll.value} grads #{n} ({len(names)} params)",
                             tuple("g:" + p for p in names), (tag,), self.comm(coll, size, grp),
-                            ("g", n, grp), grp))
+                            ("g", n, grp), self._meet(grp)))
             synced.append(tag)
 
         def reached(p: str, idx: int) -> None:
@@ -270,7 +297,7 @@ class Builder:
                 grp = _mine((grp,), r)
                 buckets.setdefault(grp, []).append(p)
                 fill[grp] = fill.get(grp, 0.0) + nbytes[p]
-                if fill[grp] >= self.bucket_bytes:
+                if fill[grp] >= cap:
                     flush(grp)
 
         for idx in range(len(prog.instrs) - 1, -1, -1):
@@ -285,7 +312,7 @@ class Builder:
                             grp = _mine(params[p].grad_groups, r)
                             out.append(Task(COMM, f"all_gather {params[p].path}", (), ("zb:" + p,),
                                             self.comm(Collective.ALL_GATHER, nbytes[p], grp),
-                                            ("zb", p, grp), grp))
+                                            ("zb", p, grp), self._meet(grp)))
                 if not cost.grad:
                     continue
                 waits = tuple("g:" + o for o in ins.outputs) + tuple(
@@ -307,7 +334,7 @@ class Builder:
         if 1 <= zero <= 2 and dp > 1:
             grp = next(_mine(s.grad_groups, r) for s in params.values() if s.grad_groups)
             out.append(Task(COMM, "all_gather params", ("opt",), (),
-                            self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), grp))
+                            self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), self._meet(grp)))
         return out
 
     def _comm_bwd(self, ins: Comm, r: int, nbytes) -> Task:
@@ -330,7 +357,8 @@ class Builder:
         # move the destination's (the same, or the gathered tensor for a reduce-scatter).
         src = isinstance(step, (steps.Split, steps.ReduceScatter))
         size = nbytes.get(ins.src if src else ins.dst, 0.0)
-        return Task(COMM, name, waits, sets, self.comm(coll, size, grp), ("b", ins.dst, grp), grp)
+        return Task(COMM, name, waits, sets, self.comm(coll, size, grp), ("b", ins.dst, grp),
+                    self._meet(grp))
 
 
 def _refs(ins: Compute) -> list[str]:
@@ -349,6 +377,18 @@ def _refs(ins: Compute) -> list[str]:
     walk(ins.args)
     walk(ins.kwargs)
     return out
+
+
+def _first_piece(plan: Plan, node: str) -> PieceInfo | None:
+    """Piece ``(0, …, 0)`` of ``node`` (every piece of an even split has its size)."""
+    devs = plan.assignment.get(node)
+    if not devs:
+        return None
+    chunks: dict[str, tuple[int, int]] = {}
+    for t in plan.transforms(node):
+        if t.dim is not None:
+            chunks[t.dim] = (0, chunks.get(t.dim, (0, 1))[1] * t.parts)
+    return PieceInfo(tuple(0 for _ in plan.transforms(node)), chunks, 0, devs[0])
 
 
 def _mine(groups, rank: int) -> tuple[int, ...]:

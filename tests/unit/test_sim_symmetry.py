@@ -1,0 +1,121 @@
+"""Fast paths of the simulator give the results of the exact one.
+
+- replica symmetry (``sim/symmetry.py``): one data-parallel replica lowered and
+  simulated for all;
+- folding (``sim/fold.py``): 2 and 3 of the model's identical blocks simulated,
+  extrapolated to all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+
+from tests.conftest import captured
+from torchweave.policies import random_plan, resolve
+from torchweave.policies.tensor import tp
+from torchweave.sim import parse_cluster
+from torchweave.sim.fold import find_blocks
+from torchweave.sim.simulate import simulate
+from torchweave.sim.symmetry import find_replicas
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt(layers: int, batch: int = 8, meta: bool = False, d: int = 64):
+    import torchweave
+    from torchweave.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=layers, n_head=4, d_model=d)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(cfg)
+        idx = torch.zeros(batch, 32, dtype=torch.long)
+    return torchweave.capture(model, (idx, idx), name=f"gpt-{layers}")
+
+
+def _same(a, b) -> None:
+    assert a.world_size == b.world_size
+    assert a.step_time == pytest.approx(b.step_time, rel=1e-9)
+    assert a.compute_time == pytest.approx(b.compute_time, rel=1e-9)
+    assert a.comm_time == pytest.approx(b.comm_time, rel=1e-9)
+    assert a.memory == b.memory
+    assert a.model_flops == pytest.approx(b.model_flops, rel=1e-9)
+    assert a.mfu == pytest.approx(b.mfu, rel=1e-9)
+
+
+PLANS = {
+    "dp4": lambda g: resolve("dp", g, 4),
+    "zero1-4": lambda g: resolve("zero1", g, 4),
+    "zero2-4": lambda g: resolve("zero2", g, 4),
+    "zero3-4": lambda g: resolve("zero3", g, 4),
+    "tp2xdp4": lambda g: tp(g, 8, tp_size=2),
+    "sp4": lambda g: resolve("sp", g, 4),
+    "tp4": lambda g: resolve("tp", g, 4),
+}
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_one_replica_simulates_like_all_ranks(name: str) -> None:
+    g = captured("gpt-tiny")
+    plan = PLANS[name](g)
+    cluster = parse_cluster(f"{plan.world_size}xA100-80GB-SXM@2")
+    exact = simulate(g, plan, cluster, symmetry=False)
+    fast = simulate(g, plan, cluster, symmetry=True)
+    _same(fast, exact)
+    if find_replicas(plan, [n.name for n in g.nodes]) is not None:
+        assert fast.notes and "replicas" in fast.notes[0]
+
+
+def test_irregular_device_order_is_not_symmetric() -> None:
+    g = captured("gpt-tiny")
+    plan = resolve("dp", g, 4)
+    assert find_replicas(plan, [n.name for n in g.nodes]).count == 4
+    node = g.nodes[5].name
+    plan.assignment[node] = [1, 0, 2, 3]
+    assert find_replicas(plan, [n.name for n in g.nodes]) is None
+    # Random plans (permuted devices, point-to-point fallbacks) still simulate, exactly.
+    rnd = random_plan(g, 4, seed=1)
+    _same(simulate(g, rnd, parse_cluster("4xA100-80GB-SXM@2"), symmetry=True),
+          simulate(g, rnd, parse_cluster("4xA100-80GB-SXM@2"), symmetry=False))
+
+
+@pytest.mark.parametrize("name", ["dp4", "zero2-4", "zero3-4", "tp2xdp4", "sp4"])
+def test_folded_blocks_extrapolate_to_the_full_model(name: str) -> None:
+    g = _gpt(8)
+    plan = PLANS[name](g)
+    blocks = find_blocks(g, plan)
+    assert blocks is not None and len(blocks) == 8 and blocks.prefix == "blocks"
+    cluster = parse_cluster(f"{plan.world_size}xA100-80GB-SXM@2")
+    exact = simulate(g, plan, cluster, fold=False, symmetry=False)
+    fast = simulate(g, plan, cluster, fold=True)
+    _same(fast, exact)
+    assert any("blocks" in n for n in fast.notes)
+
+
+def test_blocks_that_differ_are_not_folded() -> None:
+    g = _gpt(8)
+    assert find_blocks(g, resolve("dp", g, 2)) is not None
+    # The plan treats one node of block 5 differently: no folding.
+    plan = resolve("dp", g, 2)
+    node = next(n.name for n in g.nodes if n.module.startswith("blocks.5.") and
+                n.target == "aten.gelu.default")
+    plan.assignment[node] = list(reversed(plan.assignment[node]))
+    assert find_blocks(g, plan) is None
+    # Too few blocks to be worth it.
+    assert find_blocks(captured("gpt-tiny"), resolve("dp", captured("gpt-tiny"), 2)) is None
+
+
+def test_48_layers_on_1024_ranks_is_fast() -> None:
+    """The issue's speed target is 96 layers of GPT-3 on 1,024 GPUs in < 5 s
+    (bench/sim_speed.py); this is a smaller stand-in that runs in the unit tests."""
+    g = _gpt(48, batch=256, meta=True, d=256)
+    plan = tp(g, 1024, tp_size=4)
+    t0 = time.perf_counter()
+    result = simulate(g, plan, parse_cluster("1024xA100-80GB-SXM"), timeline=False)
+    elapsed = time.perf_counter() - t0
+    assert result.world_size == 1024 and len(result.memory) == 1024 and result.step_time > 0
+    assert len(result.notes) == 2
+    assert elapsed < 5, f"48 layers on 1,024 ranks took {elapsed:.1f} s"
