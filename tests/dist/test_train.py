@@ -41,6 +41,12 @@ def _run(tmp: Path, *overrides: str, base: dict = BASE):
     return result, out.getvalue()
 
 
+def full_vocab() -> int:
+    from torchweave.train.data import bundled_text
+
+    return len(set(bundled_text()))
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -52,6 +58,14 @@ def test_resumed_run_matches_the_uninterrupted_one_exactly(tmp_path: Path) -> No
     assert "summary" in text and "per-rank code" in text
     assert sorted((tmp_path / "a" / "code").glob("rank*.py"))  # generated code under run_dir
     assert [s for s, _ in checkpoints(tmp_path / "a" / "checkpoints")] == [3, 6]
+    # the merged weights load into the single-device model as it was written
+    from safetensors.torch import load_file
+
+    from torchweave.train.build import build_model
+    from torchweave.train.config import ModelConfig
+
+    model = build_model(ModelConfig(**BASE["model"]), vocab_size=full_vocab(), seq_len=16)
+    model.load_state_dict(load_file(full.weights), strict=True)
 
     # the same run, stopped after step 3: copy its step-3 checkpoint and go on from there
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)

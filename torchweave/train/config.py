@@ -249,6 +249,9 @@ class TrainConfig:
     """Show a progress bar on rank 0 (log lines instead when not on a terminal)."""
     threads_per_rank: int = 1
     """Intra-op threads of each local rank (CPU)."""
+    export: bool = True
+    """At the end, write the merged single-device weights to ``<run_dir>/model.safetensors``
+    (they load into the original model with ``load_state_dict(strict=True)``)."""
 
     def __post_init__(self) -> None:
         problems = []

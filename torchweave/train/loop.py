@@ -23,6 +23,7 @@ from torchweave.train.build import build_model, lr_multiplier, optimizer_factory
 from torchweave.train.checkpoint import CheckpointError, latest, save
 from torchweave.train.config import TrainConfig
 from torchweave.train.data import Sampler, build_dataset
+from torchweave.train.export import export_safetensors
 from torchweave.train.logs import MetricsLog, ProgressView
 from torchweave.train.restore import load
 
@@ -48,7 +49,11 @@ class RunResult:
     peak_rss_mib: list[float] = field(default_factory=list)
     state_mib: list[float] = field(default_factory=list)
     """Per rank: parameters, gradients and optimizer state held, in MiB."""
+    loop_s: float = 0.0
+    """Wall time of the training loop (steps, logging, periodic checkpoints), this rank."""
     checkpoint: str | None = None
+    weights: str | None = None
+    """Merged single-device weights (safetensors), written at the end."""
     failed_saves: int = 0
     code_dir: str = ""
     metrics: str = ""
@@ -185,6 +190,7 @@ class Trainer:
                            metrics=str(log.path) if log else "",
                            tensorboard=str(log.tb_dir) if log and log.tb_dir else None)
         times: list[float] = []
+        t_loop = time.perf_counter()
         try:
             while self.step < cfg.steps:
                 self.step += 1
@@ -218,12 +224,14 @@ class Trainer:
                     path, good = self._save(log)
                     result.checkpoint = path or result.checkpoint
                     result.failed_saves += not good
+            result.loop_s = time.perf_counter() - t_loop
             path, good = self._save(log)
             result.checkpoint = path or result.checkpoint
             result.failed_saves += not good
         finally:
             if view is not None:
                 view.close()
+        result.weights = self._export()
         result.skipped = self.skipped
         steady = times[1:] or times
         result.step_time_s = sorted(steady)[len(steady) // 2] if steady else 0.0
@@ -239,6 +247,31 @@ class Trainer:
                       skipped=self.skipped, checkpoint=result.checkpoint)
             log.close()
         return result
+
+    def _export(self) -> str | None:
+        """Gather every rank's pieces on rank 0 and write ``model.safetensors``; collective."""
+        if not self.cfg.export:
+            return None
+        pieces = {k: (box, t.cpu()) for k, (box, t) in self.module.state_pieces().items()}
+        everyone: list[Any] | None = [None] * self.ctx.world_size if self.rank == 0 else None
+        dist.gather_object(pieces, everyone, dst=0)
+        if self.rank != 0:
+            return None
+        held = set().union(*(p.keys() for p in everyone))
+        groups: dict[int, list[str]] = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            groups.setdefault(id(t), []).append(name)
+        shapes, aliases = {}, {}
+        for names in groups.values():
+            src = next((n for n in names if n in held), None)
+            if src is None:
+                continue  # a buffer no rank reads (not in the graph)
+            shapes[src] = tuple(self.model.state_dict()[src].shape)
+            if len(names) > 1:
+                aliases[src] = [n for n in names if n != src]
+        path = self.run_dir / "model.safetensors"
+        export_safetensors(everyone, shapes, path, aliases=aliases)
+        return str(path)
 
     def _one_step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, float, bool]:
         """Forward, backward, norm; the update only when both loss and norm are finite."""

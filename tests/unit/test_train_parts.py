@@ -1,0 +1,92 @@
+"""Trainer parts without processes: data, sampler, schedules, builders, the command line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchweave.cli import main
+from torchweave.commands.train import DEMO
+from torchweave.train.build import build_model, lr_multiplier, optimizer_factory
+from torchweave.train.config import (
+    ConfigError, ModelConfig, OptimConfig, ScheduleConfig, load_config,
+)
+from torchweave.train.data import CharText, Sampler, SyntheticTokens, bundled_text
+
+
+def test_bundled_text_is_shipped_and_tokenized_by_characters() -> None:
+    text = bundled_text()
+    assert len(text) > 15_000 and text.isascii()
+    ds = CharText(text, seq_len=32)
+    x, y = ds[5]
+    assert x.shape == y.shape == (32,) and torch.equal(x[1:], y[:-1])
+    assert ds.decode(x.tolist()) == text[5 * 16:5 * 16 + 32]
+    assert ds.vocab_size == len(set(text))
+
+
+def test_sampler_is_seeded_covers_each_epoch_and_resumes_from_one_number() -> None:
+    ds = SyntheticTokens(seq_len=4, vocab_size=10, size=12)
+    a = Sampler(ds, 4, seed=1)
+    seen = torch.cat([a.next_batch()[0] for _ in range(3)])
+    assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, ds.data[:, :-1].tolist()))
+    later = [a.next_batch()[0] for _ in range(2)]  # epoch 2: another order
+    b = Sampler(ds, 4, seed=1)
+    b.consumed = 12
+    assert all(torch.equal(x, b.next_batch()[0]) for x in later)
+    assert not torch.equal(Sampler(ds, 4, seed=2).next_batch()[0], Sampler(ds, 4, 1).next_batch()[0])
+
+
+def test_lr_schedules_warm_up_then_decay_to_the_floor() -> None:
+    cos = lr_multiplier(ScheduleConfig(warmup_steps=4, kind="cosine", min_lr_ratio=0.1), 20)
+    assert [cos(s) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert math.isclose(cos(20), 0.1) and math.isclose(cos(12), 0.55)
+    lin = lr_multiplier(ScheduleConfig(kind="linear"), 10)
+    assert math.isclose(lin(5), 0.5) and lin(10) == 0.0
+    user = lr_multiplier(ScheduleConfig(kind="math:pow", kwargs={}), 10)  # pow(step, total)
+    assert user(2) == 1024.0
+
+
+def test_optimizers_by_name_and_by_import_path() -> None:
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(optimizer_factory(OptimConfig())(p), torch.optim.AdamW)
+    sgd = optimizer_factory(OptimConfig(name="sgd", lr=0.5))(p)
+    assert sgd.param_groups[0]["momentum"] == 0.9 and sgd.param_groups[0]["lr"] == 0.5
+    adam = optimizer_factory(OptimConfig(name="torch.optim:Adam", kwargs={"amsgrad": True}))(p)
+    assert type(adam) is torch.optim.Adam and adam.param_groups[0]["amsgrad"]
+    with pytest.raises(ConfigError, match="torch.optim.Optimizer subclass"):
+        optimizer_factory(OptimConfig(name="torch.nn:Linear"))
+    with pytest.raises(ConfigError, match="importable"):
+        optimizer_factory(OptimConfig(name="torch.optim:Nope"))
+
+
+def test_models_take_their_vocabulary_from_the_data() -> None:
+    m = build_model(ModelConfig(factory="gpt", kwargs={"n_layer": 1}), vocab_size=70, seq_len=100)
+    assert m.cfg.vocab_size == 70 and m.cfg.block_size == 100 and len(m.blocks) == 1
+    m = build_model(ModelConfig(factory="gpt-tiny"), vocab_size=70, seq_len=16)
+    assert m.cfg.vocab_size == 256  # a bundled factory is built as it is
+    with pytest.raises(ConfigError, match="model.kwargs"):
+        build_model(ModelConfig(factory="gpt", kwargs={"n_layers": 2}), vocab_size=70, seq_len=8)
+    with pytest.raises(ConfigError, match="model.factory"):
+        build_model(ModelConfig(factory="no-such-model"), vocab_size=None, seq_len=8)
+
+
+def test_bad_names_in_the_config_are_caught_before_launch(tmp_path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--optim.name=adam", "--schedule.kind=cosne", "--data.kind=video"])
+    text = str(info.value)
+    assert "3 problems" in text and "optim.name: 'adam'" in text and "schedule.kind" in text
+    assert "package.module:callable" in text
+    with pytest.raises(ConfigError, match="max_bad_steps: 0"):
+        load_config(None, ["--max_bad_steps=0"])
+
+
+def test_the_demo_config_is_valid_and_command_line_overrides_reach_it(capsys) -> None:
+    cfg = load_config(None, ["--steps=7"], base=DEMO)
+    assert cfg.steps == 7 and cfg.parallel.world_size == 4 and cfg.data.kind == "text"
+    assert main(["demo", "--parallel.global_batch=5"]) == 2  # rejected before launch
+    out = capsys.readouterr().out
+    assert "global_batch(5) != micro_batch(4) * grad_accum(1) * dp(4)" in out
+    with pytest.raises(SystemExit):
+        main(["inspect", "gpt-tiny", "--optim.lr=1"])  # overrides belong to train and demo
