@@ -27,7 +27,7 @@ from torchweave.plan.layout import Mesh
 from torchweave.plan.pipeline import Pipeline
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import (
-    Schedule, check_stage_count, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
+    Schedule, check_stage_count, from_csv, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
     zero_bubble_h1,
 )
 from torchweave.policies.data import dp as dp_policy
@@ -39,11 +39,13 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb")
 
 def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              pp: int | None = None, tp: int = 1, dp: int = 1, micro: int | None = None,
-             virtual: int | None = None, stages: int | None = None, zero: int = 0) -> Plan:
+             virtual: int | None = None, stages: int | None = None, zero: int = 0,
+             cuts: list[int] | None = None) -> Plan:
     """A pipelined plan: ``pp`` groups of ``dp * tp`` devices, ``micro`` micro-batches.
 
     Defaults: ``pp = world_size / (dp * tp)``, ``virtual = 2`` stages per rank
-    for ``interleaved`` (else 1), ``micro = 2 * pp``.
+    for ``interleaved`` (else 1), ``micro = 2 * pp``. ``cuts``, when given, are
+    the graph positions where stages 1, 2, … start (instead of the FLOP-balanced cut).
     """
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
@@ -68,7 +70,7 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     micro = micro or 2 * pp
     order = _schedule(schedule, pp, virtual, micro)
     plan = _group_plan(graph, inner, tp, dp, zero)
-    stage_of = cut(graph, n_stages)
+    stage_of = cut(graph, n_stages) if cuts is None else cut_at(graph, cuts, n_stages)
     mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
     groups = [tuple(range(k * inner, (k + 1) * inner)) for k in range(pp)]
     stage_rank = list(loop_stage_to_rank(n_stages, pp).values())
@@ -101,6 +103,43 @@ def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int) -> Plan:
         plan.zero, plan.zero_axis = zero, ("dp" if zero else None)
         return plan
     return dp_policy(graph, size, zero=zero)
+
+
+def cut_at(graph: Graph, cuts: list[int], stages: int) -> dict[str, int]:
+    """Node → stage, stage ``j`` starting at graph position ``cuts[j - 1]``."""
+    n = len(graph.nodes)
+    if len(cuts) != stages - 1 or list(cuts) != sorted(set(cuts)) or not all(0 < c < n for c in cuts):
+        raise TorchweaveError(Problem(
+            obj="pipeline cuts", value=str(list(cuts)),
+            rule=f"{stages} stages need {stages - 1} increasing cut positions in 1..{n - 1}: "
+                 f"got {len(cuts)}",
+            fix="one position per stage after the first, where that stage starts"))
+    return {node.name: sum(1 for c in cuts if i >= c) for i, node in enumerate(graph.nodes)}
+
+
+def with_schedule(plan: Plan, schedule: Schedule | str) -> Plan:
+    """``plan`` with a user's schedule (a :data:`Schedule` or its CSV text); checked on validate."""
+    if plan.pipeline is None:
+        raise TorchweaveError(Problem(obj=f"plan {plan.name!r}", value="no pipeline",
+                                      rule="a schedule orders the stages of a pipelined plan",
+                                      fix="start from a pipeline policy, e.g. resolve('1f1b', ...)"))
+    plan.pipeline.schedule = from_csv(schedule) if isinstance(schedule, str) else dict(schedule)
+    plan.pipeline.kind = "custom"
+    return plan
+
+
+def with_recompute(plan: Plan, graph: Graph, modules: tuple[str, ...]) -> Plan:
+    """``plan`` recomputing, in backward, the nodes of each module whose path ends with one of
+    ``modules`` (``("mlp", "attn")``): one recompute group per module instance."""
+    groups: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        parts = node.module.split(".")
+        for j in range(len(parts), 0, -1):
+            if parts[j - 1] in modules:
+                groups.setdefault(".".join(parts[:j]), []).append(node.name)
+                break
+    plan.recompute = [tuple(g) for g in groups.values()]
+    return plan
 
 
 def _block(module: str) -> str:

@@ -1,0 +1,173 @@
+"""Pipelined plans on CPU, no processes: stages, schedules, checks, segments, recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import built, captured, state_of
+from torchweave.codegen.render import render, write
+from torchweave.errors import TorchweaveError
+from torchweave.lower.lower import lower
+from torchweave.plan.plan import Plan
+from torchweave.plan.schedules import (
+    Action, Kind, ScheduleError, add_communication, dry_run, peak_in_flight, to_csv,
+)
+from torchweave.plan.validate import PlanError, validate
+from torchweave.policies import resolve
+from torchweave.policies.pipeline import pipeline, with_recompute, with_schedule
+from torchweave.runtime.executor import RankModule
+from torchweave.runtime.groups import GroupCache
+
+NAMED = ["gpipe", "1f1b", "interleaved", "zb"]
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_named_plans_validate_and_round_trip(name: str, world_size: int) -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve(name, graph, world_size)
+    validate(plan, graph, world_size=world_size)
+    pipe = plan.pipeline
+    assert pipe is not None and pipe.kind == name
+    assert len(pipe.groups) == world_size
+    assert pipe.stages == world_size * (2 if name == "interleaved" else 1)
+    assert pipe.micro_batches == 2 * world_size
+    assert Plan.from_json(plan.to_json()) == plan
+    # op-assign of whole stages: every piece on its stage's group
+    for node, devices in plan.assignment.items():
+        group = pipe.groups[pipe.stage_rank[pipe.stage_of[node]]]
+        assert set(devices) <= set(group), node
+
+
+def test_overrides_in_the_name() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("1f1b:micro=4,tp=2,dp=2,zero=1", graph, 8)
+    assert plan.pipeline.micro_batches == 4 and plan.pipeline.groups == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert str(plan.mesh) and plan.zero == 1 and plan.zero_axis == "dp"
+    with pytest.raises(TorchweaveError, match="options are KEY=N"):
+        resolve("1f1b:micro=four", graph, 2)
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_action_lists_of_every_named_plan(name: str) -> None:
+    """Every F of a micro-batch precedes its backward on its rank; no deadlock; 1F1B's memory."""
+    graph = captured("gpt-tiny")
+    pipe = resolve(name, graph, 4).pipeline
+    stage_to_rank = dict(enumerate(pipe.stage_rank))
+    for rank, actions in pipe.schedule.items():
+        at = {(a.kind, a.stage, a.micro): i for i, a in enumerate(actions)}
+        for (kind, s, m), i in at.items():
+            if kind in (Kind.B, Kind.I):
+                assert at[(Kind.F, s, m)] < i, (rank, s, m)
+            if kind is Kind.W:
+                assert at[(Kind.I, s, m)] < i
+    dry_run(add_communication(pipe.schedule, stage_to_rank), stage_to_rank, pipe.stages,
+            pipe.micro_batches)
+    if name in ("1f1b", "zb"):
+        assert all(n <= 4 - r for r, n in peak_in_flight(pipe.schedule).items())
+
+
+def test_stage_counts_that_do_not_fit_show_the_arithmetic() -> None:
+    graph = captured("gpt-tiny")
+    with pytest.raises(TorchweaveError, match=r"pp\(3\) \* dp\(1\) \* tp\(1\) = 3 != world_size\(4\)"):
+        pipeline(graph, 4, pp=3)
+    with pytest.raises(TorchweaveError, match=r"stages\(6\) != ranks\(4\) \* virtual\(1\)"):
+        pipeline(graph, 4, stages=6)
+    with pytest.raises(TorchweaveError, match=r"micro\(6\) % ranks\(4\) != 0"):
+        pipeline(graph, 4, schedule="interleaved", micro=6)
+
+
+def test_deadlocking_user_schedule_is_rejected_with_the_grid() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("1f1b:micro=2", graph, 2)
+    # rank 0 runs micro-batch 1's backward before its forward
+    csv = "0,0F0,0B0,0B1,0F1\n1,1F0,1B0,1F1,1B1\n"
+    with_schedule(plan, csv)
+    with pytest.raises(ScheduleError) as err:
+        validate(plan, graph)
+    text = str(err.value)
+    assert "F of stage 0 micro-batch 1 precedes its backward" in text
+    assert "rank 0 |" in text  # the grid
+    # a well-formed order that still deadlocks: rank 0 waits for 1B0, which waits for 0F1
+    with_schedule(plan, {0: [Action(0, Kind.F, 0), Action(0, Kind.B, 0), Action(0, Kind.F, 1),
+                             Action(0, Kind.B, 1)],
+                         1: [Action(1, Kind.F, 0), Action(1, Kind.F, 1), Action(1, Kind.B, 0),
+                             Action(1, Kind.B, 1)]})
+    with pytest.raises(ScheduleError, match=r"deadlocks(.|\n)*\[0RECV_B0\](.|\n)*\[1RECV_F1\]"):
+        validate(plan, graph)
+
+
+def test_missing_backward_is_rejected_before_launch() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("gpipe:micro=2", graph, 2)
+    sched = dict(plan.pipeline.schedule)
+    sched[1] = [a for a in sched[1] if a != Action(1, Kind.B, 1)]
+    with_schedule(plan, to_csv(sched))
+    with pytest.raises(ScheduleError, match="stage 1 micro-batch 1: no backward"):
+        validate(plan, graph)
+
+
+def test_bad_stage_placement_names_node_and_group() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("1f1b", graph, 2)
+    last = graph.nodes[-1].name
+    plan.pipeline.stage_of[last] = 0  # the loss reads stage 1, and its piece is on group 1
+    with pytest.raises(PlanError) as err:
+        validate(plan, graph)
+    text = str(err.value)
+    assert f"node {last}" in text and "a stage reads only from itself and earlier stages" in text
+    assert "a node's pieces run on its stage's group" in text
+
+
+def test_segments_hand_over_values_between_stages_on_one_rank() -> None:
+    """Interleaved stages cut mid-block: stage 2 reads stage 0's output on the same rank."""
+    graph = captured("gpt-tiny")
+    names = [n.name for n in graph.nodes]
+    plan = pipeline(graph, 2, schedule="interleaved", micro=2,
+                    cuts=[names.index("layer_norm"), names.index("add_1"), names.index("layer_norm_2")])
+    progs = lower(graph, plan)
+    seg0, seg2 = progs[0].segments
+    assert "dropout" in seg0.outputs and "dropout" in seg2.inputs
+    assert [b.key for b in seg2.recvs] == ["dropout_1_p2p2"]
+    assert [b.local for b in seg0.sends] == ["dropout", "p_wte_weight"]  # tied LM head on rank 1
+    src = render(progs[0])
+    assert "def stage0(rt, p, idx, targets, b):" in src and "def stage2(" in src
+    assert "dropout = b['dropout']" in src
+
+
+def _saved_bytes(module: RankModule, inputs) -> int:
+    """Bytes of activations that forward keeps for backward (parameters not counted)."""
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in module.params.values()}
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module.forward(*inputs)
+    return sum(seen.values())
+
+
+def test_recompute_groups_keep_less_and_compute_the_same(tmp_path) -> None:
+    model, inputs = built("gpt-tiny")[:2]
+    graph = captured("gpt-tiny")
+    state = {k: v.detach() for k, v in state_of(model).items()}
+    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    results = []
+    for k, groups in enumerate([(), ("mlp", "attn")]):
+        plan = with_recompute(resolve("dp", graph, 1), graph, groups)
+        (path,) = write(lower(graph, plan), str(tmp_path / str(k)))
+        module = RankModule(lower(graph, plan)[0], path, state, gc)
+        saved = _saved_bytes(module, inputs)
+        loss = module.backward_step(*inputs)
+        results.append((saved, loss, {p: t.grad.clone() for p, t in module.params.items()
+                                      if t.grad is not None}))
+    (full, loss0, g0), (kept, loss1, g1) = results
+    assert kept < 0.6 * full, (kept, full)
+    assert loss0 == loss1
+    for p in g0:
+        torch.testing.assert_close(g1[p], g0[p], rtol=1e-6, atol=1e-8)
+    assert "torch.utils.checkpoint.checkpoint(_rc" in (tmp_path / "1" / "rank0.py").read_text()
