@@ -39,6 +39,9 @@ class Task:
     key: tuple | None = None
     """Rendezvous key of a collective (same on every member); None: this rank alone."""
     group: tuple[int, ...] = ()
+    stage: int = -1
+    """Pipeline stage the task belongs to (-1: none, or after the pipeline; -2: a transfer
+    between stage groups); read by :mod:`torchweave.sim.pipelined`, not by the engine."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from torchweave.sim.cluster import Cluster
 from torchweave.sim.cost import ComputeModel, precision_of
 from torchweave.sim.engine import Event, run
 from torchweave.sim.memory import model_state_memory
+from torchweave.sim.profile import OpProfiles
 from torchweave.sim.tasks import Builder
 
 GiB = 2**30
@@ -102,10 +103,14 @@ class SimResult:
     timeline: list[Event] = field(default_factory=list, repr=False)
     notes: tuple[str, ...] = ()
     """How the result was obtained where not every rank and op was simulated."""
+    pipeline_bubble: float | None = None
+    """Pipelined plans: the schedule's idle fraction (mean over pipeline ranks)."""
 
     @property
     def bubble(self) -> float:
-        """Mean idle fraction of the compute streams."""
+        """The pipeline's idle fraction, or else the mean idle fraction of the compute streams."""
+        if self.pipeline_bubble is not None:
+            return self.pipeline_bubble
         return sum(self.idle) / len(self.idle) if self.idle else 0.0
 
     @property
@@ -134,7 +139,8 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
              dtype: torch.dtype | None = None, tokens_per_step: int | None = None,
              model: ComputeModel | None = None, bucket_bytes: int = 25 * 2**20,
              strict: bool = False, timeline: bool = True,
-             symmetry: bool | None = None, fold: bool | None = None) -> SimResult:
+             symmetry: bool | None = None, fold: bool | None = None,
+             profiles: OpProfiles | None = None) -> SimResult:
     """Simulate one training step of ``plan`` on ``cluster``.
 
     ``dtype`` overrides the floating dtype ops compute in (``torch.bfloat16``
@@ -147,7 +153,8 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     given. Per-rank results are the same for every replica; the timeline has replica 0's ranks only. ``fold``: simulate
     2 and 3 of the model's identical blocks and extrapolate
     (:mod:`torchweave.sim.fold`); None: for graphs of ``FOLD_NODES`` nodes or
-    more, when no ``programs`` are given.
+    more, when no ``programs`` are given. ``profiles``: measured op times
+    (:mod:`torchweave.sim.profile`) used in place of the roofline where present.
     """
     if plan.world_size > cluster.size:
         raise SimError(Problem(obj=f"plan {plan.name!r}", value=f"{plan.world_size} ranks",
@@ -163,16 +170,19 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
             return simulate_folded(graph, plan, cluster, blocks, dtype=dtype,
                                    tokens_per_step=tokens_per_step, model=model,
                                    bucket_bytes=bucket_bytes, strict=strict, timeline=timeline,
-                                   symmetry=symmetry)
+                                   symmetry=symmetry, profiles=profiles)
     rep = None
     if programs is None:
         programs, rep = _lower(graph, plan, symmetry)
     model = model or ComputeModel.for_device(cluster.device)
     meet = frozenset(range(rep.size)) if rep else None
-    builder = Builder(graph, plan, cluster, dtype, model, bucket_bytes, meet=meet)
+    builder = Builder(graph, plan, cluster, dtype, model, bucket_bytes, profiles=profiles, meet=meet)
     tasks, feet = {}, {}
     for prog in programs:
         tasks[prog.rank], feet[prog.rank] = builder.tasks(prog)
+    if plan.pipeline is not None:
+        return _pipelined(graph, plan, cluster, programs, builder, tasks, feet, dtype=dtype,
+                          model=model, strict=strict, tokens_per_step=tokens_per_step)
     serial = frozenset() if cluster.device.comm_overlaps_compute else frozenset(tasks)
     runs, events = run(tasks, record=timeline, serial=serial)
     step = max((r.end for r in runs.values()), default=0.0)
@@ -182,19 +192,7 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         programs = [programs[r % rep.size] for r in range(plan.world_size)]
     ranks = sorted(runs)
 
-    precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
-    memory = []
-    for r in ranks:
-        f = feet[r]
-        dp = _zero_group(plan, programs[ranks.index(r)], r)
-        state = model_state_memory(f.params, dp=dp, stage=plan.zero, precision=precision)
-        # ZeRO-2 as the runtime runs it: autograd fills full local gradients, reduce-scattered
-        # to shards only after backward, so at the peak the gradients are not yet sharded.
-        grads = (state.grads if plan.zero != 2 else
-                 model_state_memory(f.params, dp=dp, stage=1, precision=precision).grads)
-        memory.append(MemoryUse(params=state.params, grads=grads, optimizer=state.optimizer,
-                                buffers=f.buffers, activations=f.activations,
-                                temporaries=f.temporaries))
+    memory = _memory(plan, programs, feet, ranks, dtype)
     notes = (f"{rep.count} data-parallel replicas of {rep.size} ranks: one lowered and simulated",
              ) if rep else ()
     return assemble(
@@ -205,10 +203,55 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         dtype=dtype, model=model, strict=strict, events=events, notes=notes)
 
 
+def _memory(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tuple[MemoryUse, ...]:
+    precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
+    out = []
+    for r in ranks:
+        f = feet[r]
+        dp = _zero_group(plan, programs[ranks.index(r)], r)
+        state = model_state_memory(f.params, dp=dp, stage=plan.zero, precision=precision)
+        # ZeRO-2 as the runtime runs it: autograd fills full local gradients, reduce-scattered
+        # to shards only after backward, so at the peak the gradients are not yet sharded.
+        grads = (state.grads if plan.zero != 2 else
+                 model_state_memory(f.params, dp=dp, stage=1, precision=precision).grads)
+        out.append(MemoryUse(params=state.params, grads=grads, optimizer=state.optimizer,
+                             buffers=f.buffers,
+                             activations=f.activations if activations is None else activations[r],
+                             temporaries=f.temporaries))
+    return tuple(out)
+
+
+def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, model, strict,
+               tokens_per_step) -> SimResult:
+    """A pipelined plan: per-stage costs, the schedule, then sync and optimizer."""
+    from torchweave.sim.pipelined import run_pipeline
+
+    pipe = plan.pipeline
+    step, tail, comm = run_pipeline(plan, cluster, tasks, feet)
+    ranks = sorted(tasks)
+    k = {r: pipe.rank_of_device(r) for r in ranks}
+    total = step.step_time + max(tail.values(), default=0.0)
+    extra = {r: feet[r].activations - sum(feet[r].stage_activations.values()) for r in ranks}
+    acts = {r: step.activation_peak[k[r]] + max(0, extra[r]) // pipe.micro_batches for r in ranks}
+    notes = (f"{pipe.kind} schedule, {pipe.stages} stages, {pipe.micro_batches} micro-batches: "
+             f"bubble {step.bubble_fraction:.1%}, micro-batches in flight per pipeline rank "
+             f"{[step.in_flight[i] for i in sorted(step.in_flight)]}",)
+    return assemble(
+        plan, cluster, step=total,
+        compute=tuple(step.busy[k[r]] + tail.get(r, 0.0) for r in ranks),
+        comm=tuple(comm.get(r, 0.0) for r in ranks),
+        memory=_memory(plan, programs, feet, ranks, dtype, acts),
+        flops=sum(c.model_flops for c in builder.costs.values()),
+        tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
+        dtype=dtype, model=model, strict=strict, events=[], notes=notes,
+        bubble=step.bubble_fraction)
+
+
 def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float, ...],
              comm: tuple[float, ...], memory: tuple[MemoryUse, ...], flops: float, tokens: int,
              dtype: torch.dtype | None, model: ComputeModel, strict: bool,
-             events: list[Event], notes: tuple[str, ...] = ()) -> SimResult:
+             events: list[Event], notes: tuple[str, ...] = (),
+             bubble: float | None = None) -> SimResult:
     """The :class:`SimResult` of per-rank busy times and memory: OOM, MFU, throughput, $."""
     oom = tuple(
         OutOfMemory(rank=r, device=cluster.device.name, peak=m.peak,
@@ -232,7 +275,7 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
         memory=memory, model_flops=flops,
         mfu=flops / (step * cluster.size * peak) if step else 0.0,
         tokens_per_step=tokens, tokens_per_s=tps, usd_per_million_tokens=usd, oom=oom,
-        timeline=events, notes=notes)
+        timeline=events, notes=notes, pipeline_bubble=bubble)
 
 
 def _lower(graph: Graph, plan: Plan, symmetry: bool | None):

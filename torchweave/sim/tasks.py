@@ -15,6 +15,11 @@ One training step per rank:
    overlapping the rest of the backward.
 3. **optimizer**: AdamW, memory-bound, after every gradient sync; ZeRO-1/2
    all-gather the updated shards afterwards.
+
+Steps 2 and 3 are in :mod:`torchweave.sim.backward`. Compute times come from
+the roofline (:mod:`torchweave.sim.cost`) or, where a node's piece was timed,
+from :mod:`torchweave.sim.profile`. Pipelined plans: each task carries its
+stage (:mod:`torchweave.sim.pipelined` reads them).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from torchweave.ir.graph import Graph
 from torchweave.lower import steps
-from torchweave.lower.pieces import PieceInfo, tensor_box
+from torchweave.lower.pieces import tensor_box
 from torchweave.lower.program import Comm, Compute, LocalRef, Program
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
@@ -34,12 +39,9 @@ from torchweave.sim.cluster import Cluster
 from torchweave.sim.comm import Collective, collective_time
 from torchweave.sim.cost import ComputeModel, dtype_of, op_time
 from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
+from torchweave.sim.profile import OpProfiles, first_piece, op_key
 from torchweave.sim.saved import ALIAS_OPS, STRIDING_OPS, Saves, packet, saves
 
-_DUAL = {  # forward step → collective its backward runs (None: local)
-    steps.Split: Collective.ALL_GATHER, steps.ReduceScatter: Collective.ALL_GATHER,
-    steps.GradAllReduce: Collective.ALL_REDUCE, steps.AllToAll: Collective.ALL_TO_ALL,
-}
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,12 @@ class Footprint:
 
     params: int = 0
     """Parameter elements held."""
+    stage_activations: dict[int, int] = field(default_factory=dict)
+    """Pipelined plans: activation bytes by stage (for the whole batch)."""
+    boundary: dict[int, float] = field(default_factory=dict)
+    """Pipelined plans: bytes received into each stage from other stage groups."""
+    n_fwd: int = 0
+    """How many of the rank's tasks are forward (the rest: backward, sync, optimizer)."""
     buffers: int = 0
     activations: int = 0
     temporaries: int = 0
@@ -73,6 +81,8 @@ class Builder:
     dtype: torch.dtype | None
     model: ComputeModel
     bucket_bytes: int
+    profiles: OpProfiles | None = None
+    """Measured op times (``sim/profile.py``), used in place of the roofline where present."""
     meet: frozenset[int] | None = None
     """The ranks simulated, when only one data-parallel replica is (``sim/symmetry.py``):
     a collective meets among these members of its group; None: every rank."""
@@ -85,9 +95,13 @@ class Builder:
         self._paths = {path: v.name for v in self.graph.values.values()
                        if v.kind in ("param", "buffer") for path in (v.target, *v.aliases)}
         self._nodes = {node.name: node for node in self.graph.nodes}
+        pipe = self.plan.pipeline
+        self.stage_of: dict[str, int] = dict(pipe.stage_of) if pipe is not None else {}
+        self.recompute = {n for grp in self.plan.recompute for n in grp}
         for node in self.graph.nodes:
             self.costs[node.name] = self._node_cost(node)
             self.saves[node.name] = saves(self.graph, node)
+        self._made_in = {o: n.name for n in self.graph.nodes for o in n.outputs}
 
     # ---------------------------------------------------------------- sizes
     def itemsize(self, value: str) -> int:
@@ -105,7 +119,7 @@ class Builder:
         t = op_time(op, self.cluster.device, dtype=dt, model=self.model)
         frac = 1.0 / math.prod(tr.parts for tr in self.plan.transforms(node.name) if tr.dim)
         specs = op.bound.annotation.outputs
-        piece = _first_piece(self.plan, node.name)
+        piece = first_piece(self.plan, node.name)
         self._first[node.name] = (op.bound, piece)
         out = []
         for i, name in enumerate(node.outputs):
@@ -116,8 +130,14 @@ class Builder:
                 numel = meta.numel
             out.append(numel * self.itemsize(name))
         grad = any(self.graph.values[o].meta.dtype.is_floating_point for o in node.outputs)
-        return NodeCost(t.fwd * frac, t.bwd * frac if grad else 0.0, tuple(out), grad,
-                        op.flops + op.bwd_flops)
+        fwd, bwd = t.fwd * frac, t.bwd * frac
+        if self.profiles is not None:
+            hit = self.profiles.lookup(op_key(self.graph, node, piece, self.dtype) or "")
+            if hit is not None:
+                fwd, bwd = hit
+        if any(node.name in grp for grp in self.plan.recompute):
+            bwd += fwd  # its forward runs again before its backward
+        return NodeCost(fwd, bwd if grad else 0.0, tuple(out), grad, op.flops + op.bwd_flops)
 
     def comm(self, collective: Collective, nbytes: float, group: tuple[int, ...]) -> float:
         key = (collective, int(nbytes), group)
@@ -154,7 +174,9 @@ class Builder:
         fwd: list[Task] = []
         first_reader: dict[str, int] = {}
         refs_of: dict[int, list[str]] = {}
+        kept_stage: dict[str, int] = {}
         for idx, ins in enumerate(prog.instrs):
+            mark = len(fwd)
             if isinstance(ins, Compute):
                 cost = self.costs[ins.node]
                 refs = refs_of[idx] = _refs(ins)
@@ -174,9 +196,12 @@ class Builder:
                 for v in [pos[i] for i in sv.inputs if i < len(pos)] + [
                         ins.outputs[i] for i in sv.outputs if i < len(ins.outputs)]:
                     base = root.get(v, v)
+                    if ins.node in self.recompute and self._made_in.get(v) in self.recompute:
+                        continue  # recomputed in backward: only the group's inputs are kept
                     if v not in not_act and base not in not_act:
                         kept[base] = nbytes.get(base, 0.0)
-                if sv.extra and cost.out_bytes:
+                        kept_stage.setdefault(base, self.stage_of.get(ins.node, -1))
+                if sv.extra and cost.out_bytes and ins.node not in self.recompute:
                     foot.activations += int(sv.extra * cost.out_bytes[0])
                 free = cost.fwd == 0.0
                 if not free and cost.grad:
@@ -188,9 +213,37 @@ class Builder:
                 fwd.append(self._comm_fwd(ins, r, nbytes))
                 if fwd[-1].kind == LOCAL:  # a local slice or an identity: same storage
                     root[ins.dst] = root.get(ins.src, ins.src)
+            self._tag(fwd, mark, ins, r, nbytes, foot)
         foot.activations += int(sum(kept.values()))
-        tasks = fwd + self._backward(prog, params, first_reader, refs_of, nbytes, foot)
+        for base, st in kept_stage.items():
+            foot.stage_activations[st] = foot.stage_activations.get(st, 0) + int(kept[base])
+        foot.n_fwd = len(fwd)
+        from torchweave.sim.backward import backward_tasks
+
+        tasks = fwd + backward_tasks(self, prog, params, first_reader, refs_of, nbytes, foot)
         return tasks, foot
+
+    def _stage(self, ins) -> int:
+        """Pipelined plans: the stage an instruction belongs to (-2: a transfer between
+        stage groups; -1: no pipeline)."""
+        if not self.stage_of or not isinstance(ins, (Compute, Comm)):
+            return -1
+        stage = self.stage_of.get(ins.node if isinstance(ins, Compute) else ins.consumer, -1)
+        if isinstance(ins, Comm) and isinstance(ins.step, steps.P2P) and stage >= 0:
+            pipe = self.plan.pipeline
+            if not steps.devices_of(ins.step) <= set(pipe.groups[pipe.stage_rank[stage]]):
+                return -2
+        return stage
+
+    def _tag(self, tasks: list[Task], mark: int, ins, r: int, nbytes, foot: Footprint) -> None:
+        """Stage of the tasks made for ``ins``; a transfer's bytes count into the boundary
+        of the stage that receives it."""
+        stage = self._stage(ins)
+        if stage == -2 and any(t.dst == r for t in ins.step.transfers):
+            into = self.stage_of.get(ins.consumer, -1)
+            foot.boundary[into] = foot.boundary.get(into, 0.0) + nbytes.get(ins.dst, 0.0)
+        for t in tasks[mark:]:
+            t.stage = stage
 
     def _storages(self, ins: Compute, refs: list[str], root: dict[str, str],
                   strided: set[str]) -> None:
@@ -263,103 +316,6 @@ class Builder:
                 t += self.comm(Collective.P2P, n, (tr.src, tr.dst))
         return t
 
-    def _backward(self, prog: Program, params, first_reader, refs_of, nbytes,
-                  foot: Footprint) -> list[Task]:
-        r, zero, out = prog.rank, self.plan.zero, []
-        # ZeRO-1/2 reduce every owned gradient in one collective after backward
-        # (runtime/zero.py ``finish_grads``); plain data parallel and ZeRO-3 in buckets.
-        cap = math.inf if zero in (1, 2) else self.bucket_bytes
-        buckets: dict[tuple, list[str]] = {}
-        fill: dict[tuple, float] = {}
-        count: dict[tuple, int] = {}
-        synced: list[str] = []
-        gathered: set[str] = set()
-
-        def flush(grp: tuple) -> None:
-            names = buckets.pop(grp, [])
-            if not names:
-                return
-            coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
-            n = count[grp] = count.get(grp, 0) + 1
-            size = fill.pop(grp)
-            foot.temporaries = max(foot.temporaries, int(size))
-            tag = f"grad sync {n}"
-            out.append(Task(COMM, f"{coll.value} grads #{n} ({len(names)} params)",
-                            tuple("g:" + p for p in names), (tag,), self.comm(coll, size, grp),
-                            ("g", n, grp), self._meet(grp)))
-            synced.append(tag)
-
-        def reached(p: str, idx: int) -> None:
-            """The backward of ``p``'s first reader is issued: its gradient may sync."""
-            if first_reader.get(p) != idx:
-                return
-            for grp in params[p].grad_groups:
-                grp = _mine((grp,), r)
-                buckets.setdefault(grp, []).append(p)
-                fill[grp] = fill.get(grp, 0.0) + nbytes[p]
-                if fill[grp] >= cap:
-                    flush(grp)
-
-        for idx in range(len(prog.instrs) - 1, -1, -1):
-            ins = prog.instrs[idx]
-            if isinstance(ins, Compute):
-                cost = self.costs[ins.node]
-                refs = refs_of[idx]
-                if zero >= 3:
-                    for p in refs:
-                        if p in params and p not in gathered and params[p].grad_groups:
-                            gathered.add(p)
-                            grp = _mine(params[p].grad_groups, r)
-                            out.append(Task(COMM, f"all_gather {params[p].path}", (), ("zb:" + p,),
-                                            self.comm(Collective.ALL_GATHER, nbytes[p], grp),
-                                            ("zb", p, grp), self._meet(grp)))
-                if not cost.grad:
-                    continue
-                waits = tuple("g:" + o for o in ins.outputs) + tuple(
-                    "zb:" + p for p in refs if p in gathered)
-                out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
-                                tuple("g:" + a for a in refs), cost.bwd))
-                for p in refs:
-                    reached(p, idx)
-            elif isinstance(ins, Comm):
-                out.append(self._comm_bwd(ins, r, nbytes))
-                reached(ins.src, idx)
-        for grp in list(buckets):
-            flush(grp)
-        local = sum(nbytes[p] for p in params)
-        dp = max((len(_mine(s.grad_groups, r)) for s in params.values() if s.grad_groups), default=1)
-        shard = local / dp if zero >= 1 else local
-        bw = self.cluster.device.memory_bandwidth * self.model.bandwidth
-        out.append(Task(COMPUTE, "optimizer (AdamW)", tuple(synced), ("opt",), 7 * shard / bw))
-        if 1 <= zero <= 2 and dp > 1:
-            grp = next(_mine(s.grad_groups, r) for s in params.values() if s.grad_groups)
-            out.append(Task(COMM, "all_gather params", ("opt",), (),
-                            self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), self._meet(grp)))
-        return out
-
-    def _comm_bwd(self, ins: Comm, r: int, nbytes) -> Task:
-        step = ins.step
-        name = f"{steps.name_of(step)} {ins.value} bwd"
-        waits, sets = ("g:" + ins.dst,), ("g:" + ins.src,)
-        if not self.graph.values[ins.value].meta.dtype.is_floating_point or isinstance(step, steps.Narrow):
-            return Task(LOCAL, name, waits, sets)
-        if isinstance(step, steps.P2P):
-            return Task(COMM, name, waits, sets, self._p2p(step.grad_back, r, ins.value))
-        coll = _DUAL.get(type(step))
-        if isinstance(step, steps.AllReduce) and step.bwd == "all_reduce":
-            coll = Collective.ALL_REDUCE
-        if isinstance(step, steps.AllGather) and step.bwd == "reduce_scatter":
-            coll = Collective.REDUCE_SCATTER
-        if coll is None:
-            return Task(LOCAL, name, waits, sets)
-        grp = _mine(step.groups, r)
-        # The dual of a split or reduce-scatter gathers the source's bytes; the others
-        # move the destination's (the same, or the gathered tensor for a reduce-scatter).
-        src = isinstance(step, (steps.Split, steps.ReduceScatter))
-        size = nbytes.get(ins.src if src else ins.dst, 0.0)
-        return Task(COMM, name, waits, sets, self.comm(coll, size, grp), ("b", ins.dst, grp),
-                    self._meet(grp))
-
 
 def _refs(ins: Compute) -> list[str]:
     out: list[str] = []
@@ -377,18 +333,6 @@ def _refs(ins: Compute) -> list[str]:
     walk(ins.args)
     walk(ins.kwargs)
     return out
-
-
-def _first_piece(plan: Plan, node: str) -> PieceInfo | None:
-    """Piece ``(0, …, 0)`` of ``node`` (every piece of an even split has its size)."""
-    devs = plan.assignment.get(node)
-    if not devs:
-        return None
-    chunks: dict[str, tuple[int, int]] = {}
-    for t in plan.transforms(node):
-        if t.dim is not None:
-            chunks[t.dim] = (0, chunks.get(t.dim, (0, 1))[1] * t.parts)
-    return PieceInfo(tuple(0 for _ in plan.transforms(node)), chunks, 0, devs[0])
 
 
 def _mine(groups, rank: int) -> tuple[int, ...]:

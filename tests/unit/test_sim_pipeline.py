@@ -1,0 +1,122 @@
+"""Pipeline schedules simulated with per-stage costs: bubble, micro-batches in flight, memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchweave.errors import SimError
+from torchweave.plan.schedules import (
+    bubble_fraction, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1,
+)
+from torchweave.sim.pipeline import StageCost, simulate_schedule
+
+MiB = 2**20
+
+
+def _costs(n: int, **kw) -> list[StageCost]:
+    return [StageCost(fwd=1.0, bwd=2.0, activations=10 * MiB, inputs=MiB, boundary=MiB, **kw)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_gpipe_and_1f1b_bubble_is_the_textbook_one(p: int, m: int) -> None:
+    """(p-1)/(m+p-1) of the step is idle (Huang et al., GPipe; Narayanan et al., SC'21)."""
+    for schedule in (gpipe(p, m), one_f_one_b(p, m)):
+        step = simulate_schedule(schedule, _costs(p))
+        assert step.step_time == pytest.approx(3 * (m + p - 1))
+        assert step.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+        assert step.bubble_fraction == pytest.approx(bubble_fraction(schedule))
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe() -> None:
+    p, m = 4, 8
+    g = simulate_schedule(gpipe(p, m), _costs(p))
+    f = simulate_schedule(one_f_one_b(p, m), _costs(p))
+    assert g.in_flight == {r: m for r in range(p)}
+    assert f.in_flight == {r: p - r for r in range(p)}
+    assert f.activation_peak[0] == 4 * 10 * MiB < g.activation_peak[0] == 8 * 10 * MiB
+
+
+def test_zero_bubble_and_interleaved_shrink_the_bubble() -> None:
+    p, m = 4, 8
+    base = simulate_schedule(one_f_one_b(p, m), _costs(p)).bubble_fraction
+    zb = simulate_schedule(zero_bubble_h1(p, m), _costs(p))
+    assert zb.bubble_fraction < base
+    # Interleaved: 2 virtual stages per rank, each half the work.
+    half = [StageCost(fwd=0.5, bwd=1.0, activations=5 * MiB) for _ in range(2 * p)]
+    inter = simulate_schedule(interleaved_1f1b(p, 2, m), half)
+    assert inter.bubble_fraction < base
+
+
+def test_recompute_trades_time_for_memory() -> None:
+    p, m = 4, 8
+    keep = simulate_schedule(one_f_one_b(p, m), _costs(p))
+    again = simulate_schedule(one_f_one_b(p, m), _costs(p, recompute=True))
+    assert again.step_time > keep.step_time
+    assert again.activation_peak[0] == 4 * MiB < keep.activation_peak[0]
+
+
+def test_transfers_between_ranks_add_time() -> None:
+    p, m = 4, 8
+    free = simulate_schedule(one_f_one_b(p, m), _costs(p))
+    slow = simulate_schedule(one_f_one_b(p, m), _costs(p), transfer=lambda n: n / (10 * MiB))
+    assert slow.step_time > free.step_time
+
+
+def test_missing_stage_costs_name_the_rule() -> None:
+    with pytest.raises(SimError, match="one StageCost per stage"):
+        simulate_schedule(one_f_one_b(4, 8), _costs(2))
+
+
+# ----------------------------------------------------------------- pipelined plans
+
+
+def _gpt_meta(layers: int = 8, batch: int = 16):
+    import torch
+
+    import torchweave
+    from torchweave.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=4096, block_size=256, n_layer=layers, n_head=8, d_model=1024)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.empty(batch, 256, dtype=torch.long)
+    return torchweave.capture(model, (idx, idx), name="gpt-meta")
+
+
+def test_pipelined_plans_report_bubble_in_flight_and_memory() -> None:
+    from torchweave.policies.pipeline import pipeline
+    from torchweave.sim import parse_cluster, simulate
+
+    g = _gpt_meta()
+    cluster = parse_cluster("4xA100-80GB-SXM")
+    runs = {s: simulate(g, pipeline(g, 4, schedule=s, micro=8), cluster)
+            for s in ("gpipe", "1f1b", "zb")}
+    for name, r in runs.items():
+        assert r.step_time > 0 and r.pipeline_bubble is not None
+        assert name in r.notes[0] and "in flight" in r.notes[0]
+    gp, fb, zb = runs["gpipe"], runs["1f1b"], runs["zb"]
+    # Compute-bound stages: the bubble is near the textbook (p-1)/(m+p-1) = 3/11.
+    assert 0.2 < fb.bubble < 0.45
+    assert zb.bubble < fb.bubble
+    # 1F1B holds at most p - r micro-batches; GPipe all of them.
+    assert "[8, 8, 8, 8]" in gp.notes[0] and "[4, 3, 2, 1]" in fb.notes[0]
+    assert fb.memory[0].activations < gp.memory[0].activations
+    # More micro-batches: a smaller bubble.
+    more = simulate(g, pipeline(g, 4, schedule="1f1b", micro=16), cluster)
+    assert more.bubble < fb.bubble
+
+
+def test_recompute_groups_trade_time_for_activation_memory() -> None:
+    from torchweave.policies import resolve
+    from torchweave.sim import parse_cluster, simulate
+
+    g = _gpt_meta(layers=4)
+    cluster = parse_cluster("2xA100-80GB-SXM")
+    plain = resolve("dp", g, 2)
+    again = resolve("dp", g, 2)
+    for b in range(4):
+        again.recompute.append(tuple(n.name for n in g.nodes if n.module.startswith(f"blocks.{b}.")))
+    a, b = simulate(g, plain, cluster), simulate(g, again, cluster)
+    assert b.memory[0].activations < 0.5 * a.memory[0].activations
+    assert max(b.compute_time) > max(a.compute_time)

@@ -1,0 +1,129 @@
+"""Backward, gradient sync and optimizer tasks of one rank (:mod:`torchweave.sim.tasks`, step 2 and 3).
+
+The Program's instructions in reverse, each compute with its backward time and
+each communication step with its backward dual (``lower/steps.py``); the
+gradient sync of each parameter joins a bucket once the backward of its first
+reader is issued; AdamW after every sync, ZeRO-1/2 gathering the updated shards.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torchweave.lower import steps
+from torchweave.lower.program import Comm, Compute, Program
+from torchweave.sim.comm import Collective
+from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
+from torchweave.sim.profile import optimizer_key
+from torchweave.sim.tasks import Builder, Footprint, _mine
+
+_DUAL = {  # forward step → collective its backward runs (None: local)
+    steps.Split: Collective.ALL_GATHER, steps.ReduceScatter: Collective.ALL_GATHER,
+    steps.GradAllReduce: Collective.ALL_REDUCE, steps.AllToAll: Collective.ALL_TO_ALL,
+}
+
+
+def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, nbytes,
+              foot: Footprint) -> list[Task]:
+    r, zero, out = prog.rank, self.plan.zero, []
+    # ZeRO-1/2 reduce every owned gradient in one collective after backward
+    # (runtime/zero.py ``finish_grads``); plain data parallel and ZeRO-3 in buckets.
+    cap = math.inf if zero in (1, 2) else self.bucket_bytes
+    buckets: dict[tuple, list[str]] = {}
+    fill: dict[tuple, float] = {}
+    count: dict[tuple, int] = {}
+    synced: list[str] = []
+    gathered: set[str] = set()
+
+    def flush(grp: tuple) -> None:
+        names = buckets.pop(grp, [])
+        if not names:
+            return
+        coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
+        n = count[grp] = count.get(grp, 0) + 1
+        size = fill.pop(grp)
+        foot.temporaries = max(foot.temporaries, int(size))
+        tag = f"grad sync {n}"
+        out.append(Task(COMM, f"{coll.value} grads #{n} ({len(names)} params)",
+                        tuple("g:" + p for p in names), (tag,), self.comm(coll, size, grp),
+                        ("g", n, grp), self._meet(grp)))
+        synced.append(tag)
+
+    def reached(p: str, idx: int) -> None:
+        """The backward of ``p``'s first reader is issued: its gradient may sync."""
+        if first_reader.get(p) != idx:
+            return
+        for grp in params[p].grad_groups:
+            grp = _mine((grp,), r)
+            buckets.setdefault(grp, []).append(p)
+            fill[grp] = fill.get(grp, 0.0) + nbytes[p]
+            if fill[grp] >= cap:
+                flush(grp)
+
+    for idx in range(len(prog.instrs) - 1, -1, -1):
+        ins = prog.instrs[idx]
+        stage = self._stage(ins)
+        if isinstance(ins, Compute):
+            cost = self.costs[ins.node]
+            refs = refs_of[idx]
+            if zero >= 3:
+                for p in refs:
+                    if p in params and p not in gathered and params[p].grad_groups:
+                        gathered.add(p)
+                        grp = _mine(params[p].grad_groups, r)
+                        out.append(Task(COMM, f"all_gather {params[p].path}", (), ("zb:" + p,),
+                                        self.comm(Collective.ALL_GATHER, nbytes[p], grp),
+                                        ("zb", p, grp), self._meet(grp), stage))
+            if not cost.grad:
+                continue
+            waits = tuple("g:" + o for o in ins.outputs) + tuple(
+                "zb:" + p for p in refs if p in gathered)
+            out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
+                            tuple("g:" + a for a in refs), cost.bwd, stage=stage))
+            for p in refs:
+                reached(p, idx)
+        elif isinstance(ins, Comm):
+            out.append(_comm_bwd(self, ins, r, nbytes))
+            out[-1].stage = stage
+            reached(ins.src, idx)
+    for grp in list(buckets):
+        flush(grp)
+    local = sum(nbytes[p] for p in params)
+    dp = max((len(_mine(s.grad_groups, r)) for s in params.values() if s.grad_groups), default=1)
+    shard = local / dp if zero >= 1 else local
+    bw = self.cluster.device.memory_bandwidth * self.model.bandwidth
+    t_opt = 7 * shard / bw
+    if self.profiles is not None:  # ZeRO steps one flat shard; else one tensor per parameter
+        each = [math.prod(b - a for a, b in s.box) for s in params.values()]
+        numels = [sum(each) // dp] if zero >= 1 else each
+        t_opt = self.profiles.lookup(optimizer_key(numels)) or (t_opt,)
+        t_opt = t_opt[0]
+    out.append(Task(COMPUTE, "optimizer (AdamW)", tuple(synced), ("opt",), t_opt))
+    if 1 <= zero <= 2 and dp > 1:
+        grp = next(_mine(s.grad_groups, r) for s in params.values() if s.grad_groups)
+        out.append(Task(COMM, "all_gather params", ("opt",), (),
+                        self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), self._meet(grp)))
+    return out
+
+def _comm_bwd(self: Builder, ins: Comm, r: int, nbytes) -> Task:
+    step = ins.step
+    name = f"{steps.name_of(step)} {ins.value} bwd"
+    waits, sets = ("g:" + ins.dst,), ("g:" + ins.src,)
+    if not self.graph.values[ins.value].meta.dtype.is_floating_point or isinstance(step, steps.Narrow):
+        return Task(LOCAL, name, waits, sets)
+    if isinstance(step, steps.P2P):
+        return Task(COMM, name, waits, sets, self._p2p(step.grad_back, r, ins.value))
+    coll = _DUAL.get(type(step))
+    if isinstance(step, steps.AllReduce) and step.bwd == "all_reduce":
+        coll = Collective.ALL_REDUCE
+    if isinstance(step, steps.AllGather) and step.bwd == "reduce_scatter":
+        coll = Collective.REDUCE_SCATTER
+    if coll is None:
+        return Task(LOCAL, name, waits, sets)
+    grp = _mine(step.groups, r)
+    # The dual of a split or reduce-scatter gathers the source's bytes; the others
+    # move the destination's (the same, or the gathered tensor for a reduce-scatter).
+    src = isinstance(step, (steps.Split, steps.ReduceScatter))
+    size = nbytes.get(ins.src if src else ins.dst, 0.0)
+    return Task(COMM, name, waits, sets, self.comm(coll, size, grp), ("b", ins.dst, grp),
+                self._meet(grp))

@@ -1,0 +1,176 @@
+"""Pipeline schedules in time and memory: per-stage costs plus a schedule's action lists.
+
+:func:`simulate_schedule` runs the compute actions of a
+:data:`~torchweave.plan.schedules.Schedule` (``F``, ``B``, ``I``, ``W`` per
+stage and micro-batch, in each rank's order) with per-stage costs
+(:class:`StageCost`), as early as their inputs allow:
+
+- ``F(s, m)`` after ``F(s-1, m)`` and the transfer of its output when stage
+  ``s-1`` is on another rank;
+- ``B(s, m)`` / ``I(s, m)`` after ``F(s, m)`` and the input gradient of stage
+  ``s+1`` (``B`` or ``I``), transferred back when on another rank;
+- ``W(s, m)`` after ``I(s, m)``.
+
+``B`` costs the stage's backward; split into ``I`` and ``W`` it costs
+``1 - weight_share`` and ``weight_share`` of it. With ``recompute`` a stage
+keeps only its input per micro-batch and its backward (``B`` or ``I``) first
+reruns the forward.
+
+Memory: a micro-batch's activations of a stage are held from the start of its
+``F`` to the end of its ``B`` (or of its ``W`` when split, since the weight
+gradient still reads the layer inputs). The result gives, per rank, the peak
+number of micro-batches held and the peak activation bytes, so schedules with
+the same stages compare by bubble and by memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from torchweave.errors import Problem, SimError
+from torchweave.plan.schedules import Action, Kind, Schedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """One stage, one micro-batch."""
+
+    fwd: float
+    """Seconds of the forward."""
+    bwd: float
+    """Seconds of the whole backward (input and weight gradients)."""
+    activations: int = 0
+    """Bytes kept from forward to backward."""
+    boundary: int = 0
+    """Bytes of the stage's output, sent to the next stage (its gradient comes back)."""
+    inputs: int = 0
+    """Bytes of the stage's input (all a recomputing stage keeps)."""
+    weight_share: float = 0.5
+    """Fraction of ``bwd`` that is the weight gradient (``W``) when split."""
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """What one step of the schedule does on each rank."""
+
+    step_time: float
+    busy: dict[int, float]
+    bubble: dict[int, float]
+    """Idle fraction of the step per rank."""
+    in_flight: dict[int, int]
+    """Peak micro-batches whose activations a rank holds at once."""
+    activation_peak: dict[int, int]
+    """Peak activation bytes per rank."""
+    events: list[tuple[int, float, float, Action]] = field(repr=False, default_factory=list)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean idle fraction over ranks."""
+        return sum(self.bubble.values()) / len(self.bubble) if self.bubble else 0.0
+
+
+def _cost(a: Action, c: StageCost) -> float:
+    rerun = c.fwd if c.recompute else 0.0
+    if a.kind is Kind.F:
+        return c.fwd
+    if a.kind is Kind.B:
+        return c.bwd + rerun
+    if a.kind is Kind.I:
+        return c.bwd * (1 - c.weight_share) + rerun
+    return c.bwd * c.weight_share
+
+
+def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
+                      transfer: Callable[[int], float] | float = 0.0) -> PipelineStep:
+    """Time and memory of ``schedule`` with ``costs[stage]``; ``transfer(bytes)`` (or a
+    constant) is the time of one point-to-point message between ranks."""
+    send = transfer if callable(transfer) else (lambda _n, t=float(transfer): t)
+    compute = {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.items()}
+    rank_of = {a.stage: r for r, acts in compute.items() for a in acts}
+    stages = max(rank_of, default=-1) + 1
+    if len(costs) < stages:
+        raise SimError(Problem(obj="pipeline costs", value=f"{len(costs)} stages",
+                               rule=f"one StageCost per stage: the schedule has {stages}",
+                               fix="give a cost for every stage"))
+    present = {(a.kind, a.stage, a.micro) for acts in compute.values() for a in acts}
+    end: dict[tuple, float] = {}
+
+    def grad_key(s: int, m: int) -> tuple:
+        return (Kind.I if (Kind.I, s, m) in present else Kind.B, s, m)
+
+    def ready(a: Action) -> float | None:
+        s, m = a.stage, a.micro
+        if a.kind is Kind.F:
+            if s == 0:
+                return 0.0
+            t = end.get((Kind.F, s - 1, m))
+            hop = send(costs[s - 1].boundary) if rank_of[s - 1] != rank_of[s] else 0.0
+            return None if t is None else t + hop
+        if a.kind is Kind.W:
+            return end.get((Kind.I, s, m))
+        t = end.get((Kind.F, s, m))
+        if t is None:
+            return None
+        if s + 1 < stages:
+            g = end.get(grad_key(s + 1, m))
+            if g is None:
+                return None
+            hop = send(costs[s].boundary) if rank_of[s + 1] != rank_of[s] else 0.0
+            t = max(t, g + hop)
+        return t
+
+    clock = {r: 0.0 for r in compute}
+    busy = {r: 0.0 for r in compute}
+    done = {r: 0 for r in compute}
+    events: list[tuple[int, float, float, Action]] = []
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in compute.items():
+            while done[r] < len(acts):
+                a = acts[done[r]]
+                t = ready(a)
+                if t is None:
+                    break
+                start = max(clock[r], t)
+                dur = _cost(a, costs[a.stage])
+                clock[r] = end[(a.kind, a.stage, a.micro)] = start + dur
+                busy[r] += dur
+                events.append((r, start, start + dur, a))
+                done[r] += 1
+                progress = True
+    if any(done[r] < len(acts) for r, acts in compute.items()):
+        stuck = {r: str(acts[done[r]]) for r, acts in compute.items() if done[r] < len(acts)}
+        raise SimError(Problem(obj="pipeline schedule", value=f"stuck at {stuck}",
+                               rule="every action's inputs are produced by an earlier action",
+                               fix="check the schedule with plan.schedules.dry_run"))
+    step = max(clock.values(), default=0.0)
+    in_flight, peak = _memory(compute, costs)
+    return PipelineStep(step, busy, {r: 1 - busy[r] / step if step else 0.0 for r in compute},
+                        in_flight, peak, events)
+
+
+def _memory(compute: dict[int, list[Action]], costs: Sequence[StageCost]
+            ) -> tuple[dict[int, int], dict[int, int]]:
+    """Peak micro-batches held and peak activation bytes, in each rank's action order."""
+    in_flight, peak = {}, {}
+    for r, acts in compute.items():
+        split = {(a.stage, a.micro) for a in acts if a.kind is Kind.W}
+        live: dict[tuple[int, int], int] = {}
+        most = top = 0
+        for a in acts:
+            key = (a.stage, a.micro)
+            c = costs[a.stage]
+            if a.kind is Kind.F:
+                live[key] = c.inputs if c.recompute else c.activations
+                most = max(most, len(live))
+                top = max(top, sum(live.values()))
+            elif a.kind is Kind.W or (a.kind is Kind.B and key not in split):
+                live.pop(key, None)
+        in_flight[r], peak[r] = most, top
+    return in_flight, peak
+
+
+__all__ = ["PipelineStep", "StageCost", "simulate_schedule"]
