@@ -237,7 +237,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
     log_every: int = 10
-    """Log metrics every this many steps."""
+    """Print a log line (when not on a terminal) and write TensorBoard scalars every this
+    many steps; ``metrics.jsonl`` gets every step."""
     max_bad_steps: int = 3
     """A step whose loss or gradient norm is NaN or inf is skipped (and counted);
     this many in a row abort the run."""

@@ -51,6 +51,8 @@ class RunResult:
     """Per rank: parameters, gradients and optimizer state held, in MiB."""
     loop_s: float = 0.0
     """Wall time of the training loop (steps, logging, periodic checkpoints), this rank."""
+    compute_s: float = 0.0
+    """Of that, the time inside the steps themselves (forward, backward, norm, update)."""
     checkpoint: str | None = None
     weights: str | None = None
     """Merged single-device weights (safetensors), written at the end."""
@@ -179,7 +181,7 @@ class Trainer:
         log = view = None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            log = MetricsLog(self.run_dir, tensorboard=cfg.tensorboard)
+            log = MetricsLog(self.run_dir, tensorboard=cfg.tensorboard, tb_every=cfg.log_every)
             log.event("resume" if self.resumed_from else "start", step=start, plan=self.plan,
                       world_size=self.ctx.world_size, checkpoint=self.resumed_from)
             view = ProgressView(self.console, cfg.steps, start, enabled=cfg.progress,
@@ -225,6 +227,7 @@ class Trainer:
                     result.checkpoint = path or result.checkpoint
                     result.failed_saves += not good
             result.loop_s = time.perf_counter() - t_loop
+            result.compute_s = sum(times)
             path, good = self._save(log)
             result.checkpoint = path or result.checkpoint
             result.failed_saves += not good
