@@ -21,6 +21,7 @@ them, and clipping and the optimizer step follow, all as in
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,18 @@ class _Live:
     grads: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass
+class StepStats:
+    """What this rank's last step did, for measuring bubbles and memory."""
+
+    wall_s: float = 0.0
+    """From the first action to the end of the last (sends completed)."""
+    wait_s: float = 0.0
+    """Time blocked in receives: idle, waiting for another stage."""
+    peak_live: int = 0
+    """Most (stage, micro-batch) pairs between their F and their last backward action."""
+
+
 class PipelineModule(RankModule):
     """One rank of a pipelined plan, with ``train_step(*batch)``."""
 
@@ -74,6 +87,7 @@ class PipelineModule(RankModule):
         self.segments: dict[int, Segment] = {seg.stage: seg for seg in prog.segments}
         self.fns = {s: getattr(self.code, f"stage{s}") for s in self.segments}
         self.micro = prog.micro_batches
+        self.stats = StepStats()
 
     # ------------------------------------------------------------ one step
     def backward_step(self, *batch: torch.Tensor) -> float:
@@ -85,11 +99,15 @@ class PipelineModule(RankModule):
         self._handed_grad: dict[tuple[str, int], torch.Tensor] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._loss = 0.0
+        self.stats = StepStats()
+        start = time.perf_counter()
         for action in self.program.actions:
             self.run(action)
+            self.stats.peak_live = max(self.stats.peak_live, len(self._live))
         for work, _ in self._pending:
             work.wait()
         self._pending = []
+        self.stats.wall_s = time.perf_counter() - start
         self.sync.finish()
         if self.opt is not None:
             self.opt.finish_grads()
@@ -184,6 +202,11 @@ class PipelineModule(RankModule):
                                   data.numel() * data.element_size())
         self._pending.append((dist.isend(data, dst, tag=tag), data))
 
+    def _wait_for(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        start = time.perf_counter()
+        dist.recv(buf, src, tag=tag)
+        self.stats.wait_s += time.perf_counter() - start
+
     def _recv(self, bd: Boundary, m: int) -> torch.Tensor:
         r = self.rt.rank
         dtype = getattr(torch, bd.dtype.removeprefix("torch."))
@@ -192,7 +215,7 @@ class PipelineModule(RankModule):
             if t.dst != r:
                 continue
             piece = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.device)
-            dist.recv(piece, t.src, tag=self._tag(bd, m, _FWD, j))
+            self._wait_for(piece, t.src, self._tag(bd, m, _FWD, j))
             target = _region(out, t.dst_box)
             target.add_(piece) if t.add else target.copy_(piece)
         if bd.grad and dtype.is_floating_point:
@@ -220,7 +243,7 @@ class PipelineModule(RankModule):
             if t.dst != self.rt.rank:
                 continue
             piece = torch.empty(_shape(t.dst_box), dtype=x.dtype, device=x.device)
-            dist.recv(piece, t.src, tag=self._tag(bd, m, _BWD, j))
+            self._wait_for(piece, t.src, self._tag(bd, m, _BWD, j))
             _region(holder, t.dst_box).add_(piece)
         return holder
 

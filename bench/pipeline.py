@@ -1,0 +1,252 @@
+"""Pipeline schedules: torchweave's 1F1B and interleaved 1F1B beside torch.distributed.pipelining.
+
+Same model, same stages, same micro-batches, same weights and batch on both
+sides, on gloo, one torch thread per rank:
+
+- the model is a stack of residual MLP blocks (``BLOCKS`` x [Linear(D, H) ->
+  GELU -> Linear(H, D)]) with loss ``out.pow(2).mean()``, input ``[BATCH, D]``;
+- ``1f1b``: one stage per rank (``BLOCKS / p`` blocks each), against
+  ``Schedule1F1B``; ``interleaved``: two stages per rank (stage ``s`` on rank
+  ``s % p``), against ``ScheduleInterleaved1F1B``;
+- torchweave gets the whole model and a plan (``pipeline(...)`` cut at the same
+  block boundaries); PyTorch gets the hand-cut stage modules.
+
+Both sides warm up, then their timed steps alternate, with a barrier before
+each (rank 0's median step is reported). Each side then runs one more step
+under saved-tensor hooks, which count the bytes of activations kept for
+backward at their peak, per rank. For torchweave the executor also measures,
+per rank, time blocked in receives; the bubble is ``1 − Σ busy / (p ×
+slowest rank's step)``, beside the textbook ``(p−1)/(m+p−1)`` (1F1B; for
+interleaved ``(p−1)/(v·m+p−1)``) and the unit-time simulation of the same
+schedule. Peak in-flight micro-batches per rank are set beside 1F1B's
+``p − r``.
+
+Run: python bench/pipeline.py [--world-sizes 2 4] [--steps 6] [--micro 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+BLOCKS, D, H, BATCH, SEED = 8, 512, 2048, 128, 0
+OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+def make() -> tuple[Stack, torch.Tensor]:
+    torch.manual_seed(SEED)
+    return Stack(), torch.randn(BATCH, D, generator=torch.Generator().manual_seed(SEED))
+
+
+def stages_of(rank: int, p: int, v: int) -> list[int]:
+    return [s for s in range(p * v) if s % p == rank]
+
+
+class SavedBytes:
+    """Peak bytes of activations saved for backward (parameters not counted)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.is_leaf and t.requires_grad:
+            return t
+        return _Held(t, self)
+
+    @staticmethod
+    def unpack(h: Any) -> torch.Tensor:
+        return h.t if isinstance(h, _Held) else h
+
+
+class _Held:
+    __slots__ = ("t", "n", "owner")
+
+    def __init__(self, t: torch.Tensor, owner: SavedBytes) -> None:
+        self.t, self.n, self.owner = t, t.untyped_storage().nbytes(), owner
+        owner.live += self.n
+        owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self) -> None:
+        self.owner.live -= self.n
+
+
+# --------------------------------------------------------------------------- sides
+
+
+def torch_side(ctx, schedule: str, micro: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    p, v = ctx.world_size, 2 if schedule == "interleaved" else 1
+    model, x = make()
+    per = BLOCKS // (p * v)
+    stages, params = [], []
+    for s in stages_of(ctx.rank, p, v):
+        mod = nn.Sequential(*[model.blocks[i] for i in range(s * per, (s + 1) * per)])
+        params += list(mod.parameters())
+        stages.append(PipelineStage(mod, s, p * v, torch.device("cpu")))
+    loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
+    if schedule == "interleaved":
+        sched = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn)
+    else:
+        sched = Schedule1F1B(stages[0], micro, loss_fn=loss_fn)
+    opt = OPTIMIZER(params)
+    first, last = 0 in stages_of(ctx.rank, p, v), p * v - 1 in stages_of(ctx.rank, p, v)
+    target = torch.zeros(BATCH)
+
+    def step() -> float:
+        losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        kwargs = {"target": target, "losses": losses} if last else {}
+        sched.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if last else float("nan")
+
+    return step, None
+
+
+def tw_side(ctx, schedule: str, micro: int):
+    from torchweave.parallel import parallelize
+    from torchweave.policies.pipeline import pipeline
+
+    p, v = ctx.world_size, 2 if schedule == "interleaved" else 1
+    model, x = make()
+
+    def plan(graph, world_size):
+        starts = [next(i for i, n in enumerate(graph.nodes) if n.module.startswith(f"blocks.{b}"))
+                  for b in range(BLOCKS)]
+        per = BLOCKS // (p * v)
+        return pipeline(graph, world_size, schedule=schedule, micro=micro,
+                        cuts=[starts[s * per] for s in range(1, p * v)])
+
+    module = parallelize(model, (x,), plan=plan, groups=ctx.groups, optimizer=OPTIMIZER)
+    return (lambda: module.train_step(x)), module
+
+
+# --------------------------------------------------------------------------- one launch
+
+
+def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[str, Any]:
+    sides, out = {}, {}
+    for name, setup in (("torch", torch_side), ("tw", tw_side)):
+        try:
+            sides[name] = setup(ctx, schedule, micro)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:150]}",
+                         "traceback": traceback.format_exc()}
+    times: dict[str, list[float]] = {n: [] for n in sides}
+    losses: dict[str, list[float]] = {n: [] for n in sides}
+    stats: list[tuple[float, float, int]] = []
+    for i in range(warmup + steps):
+        for name in (["torch", "tw"] if i % 2 == 0 else ["tw", "torch"]):
+            if name not in sides:
+                continue
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[name].append(sides[name][0]())
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+                if name == "tw":
+                    s = sides[name][1].stats
+                    stats.append((s.wall_s, s.wait_s, s.peak_live))
+    for name, (step, module) in sides.items():
+        counter = SavedBytes()
+        dist.barrier()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            step()
+        out[name] = {"ms": statistics.median(times[name]) * 1e3, "losses": losses[name],
+                     "saved_mb": counter.peak / 2**20}
+    if "tw" in out and "ms" in out["tw"]:
+        out["tw"]["stats"] = stats
+    return out
+
+
+def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> list[str]:
+    from torchweave.plan.schedules import (
+        bubble_fraction, interleaved_1f1b, one_f_one_b, peak_in_flight,
+    )
+
+    v = 2 if schedule == "interleaved" else 1
+    sched = interleaved_1f1b(p, v, micro) if v > 1 else one_f_one_b(p, micro)
+    textbook = (p - 1) / (v * micro + p - 1)
+    r0 = results[0]
+    if any("error" in r0.get(k, {}) for k in ("tw", "torch")):
+        return [f"| {schedule} | {p} | {micro} | " + " / ".join(
+            r0[k].get("error", "ok") for k in ("tw", "torch")) + " | | | | | |"]
+    ratio = r0["tw"]["ms"] / r0["torch"]["ms"]
+    per_step = list(zip(*[r["tw"]["stats"] for r in results]))  # steps × ranks
+    bubbles = []
+    for ranks in per_step:
+        slowest = max(w for w, _, _ in ranks)
+        bubbles.append(1 - sum(w - wait for w, wait, _ in ranks) / (p * slowest))
+    live = [max(r["tw"]["stats"], key=lambda s: s[2])[2] for r in results]
+    book_live = list(peak_in_flight(sched).values())
+    mem = " / ".join(f"{r['tw']['saved_mb']:.1f}:{r['torch']['saved_mb']:.1f}" for r in results)
+    loss_ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in
+                  zip(results[-1]["tw"]["losses"], results[-1]["torch"]["losses"]))
+    return [f"| {schedule} | {p} | {micro} | {r0['tw']['ms']:.0f} | {r0['torch']['ms']:.0f} | "
+            f"{ratio:.2f}x | {statistics.median(bubbles):.2f} | {textbook:.2f} "
+            f"(sim {bubble_fraction(sched):.2f}) | {live} vs {book_live} | {mem} | "
+            f"{'same' if loss_ok else 'DIFFER'} |"]
+
+
+def main() -> None:
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved"])
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    rows = ["| schedule | p | m | torchweave ms | torch.pipelining ms | ratio | bubble measured | "
+            "bubble textbook | peak in flight per rank (measured vs 1F1B schedule) | "
+            "saved activations MB per rank (tw:torch) | losses |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in args.world_sizes:
+        for schedule in args.schedules:
+            cfg = LaunchConfig(world_size=p, threads_per_rank=1, timeout_s=120.0)
+            results = spawn(rank_main, cfg, schedule, args.micro, args.warmup, args.steps)
+            for r in results:
+                for side in r.values():
+                    if "traceback" in side:
+                        print(side["traceback"])
+            rows += report(schedule, p, args.micro, results)
+            print(rows[-1], flush=True)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
