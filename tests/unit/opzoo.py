@@ -57,6 +57,8 @@ class Reductions(nn.Module):
         flags = pos.all(-1) | pos.any(1).all(-1, keepdim=True) | pos.all()  # all.dim, all.default
         spread = x.var(-1, correction=0, keepdim=True) + x.std(dim=1, correction=1).unsqueeze(1)
         scale = x.abs().mean() + x.var(correction=0)
+        spread = spread + x.var(1, False, keepdim=True) + x.std(-1, True, True)  # var.dim, std.dim
+        spread = spread + torch.where(x > 0, x, 0.5) + torch.where(x < 1, 2.0, x)  # where.Scalar*
         run = (x.sigmoid() + 0.5).cumprod(1)
         logp = F.log_softmax(x, dim=-1)
         out = top + vmin + spread + run + logp + vmax.unsqueeze(1) * scale

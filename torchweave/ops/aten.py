@@ -25,6 +25,7 @@ BINARY = [
     "aten.gt.Tensor", "aten.lt.Tensor", "aten.ge.Tensor", "aten.le.Tensor", "aten.eq.Tensor",
     "aten.ne.Tensor", "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.logical_and",
     "aten.logical_or", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor", "aten.where.self",
+    "aten.where.ScalarOther", "aten.where.ScalarSelf",
     "aten.masked_fill.Scalar", "aten.masked_fill.Tensor",
 ]
 op(UNARY + BINARY, broadcast)
@@ -232,6 +233,9 @@ op("aten.gather", _gather, flops_per_point=0.0, local=kernels.gather_local)
 op(["aten.amax", "aten.amin", "aten.argmax", "aten.argmin", "aten.max.dim", "aten.min.dim",
     "aten.var.correction", "aten.std.correction", "aten.all", "aten.any"],
    lambda c: _sum(c, "^"))
+# var.dim / std.dim(self, dim, unbiased, keepdim): keepdim is the fourth argument.
+op(["aten.var.dim", "aten.std.dim"], lambda c: rules.reduction(
+    c, rules.dims_arg(c.arg(1, "dim"), c.rank), bool(c.arg(3, "keepdim", False)), "^"))
 op("aten.topk", lambda c: rules.replace_axis(
     c, norm_dim(c.arg(2, "dim", -1), c.rank), ["x^"], [["y^"], ["y^"]]))
 
