@@ -24,10 +24,15 @@ _DUAL = {  # forward step → collective its backward runs (None: local)
 
 
 def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, nbytes,
-              foot: Footprint) -> list[Task]:
+                   foot: Footprint, unit_of: dict[str, int], members: dict[int, list[str]]
+                   ) -> list[Task]:
+    """``unit_of``/``members``: ZeRO-3 units (:mod:`torchweave.sim.units`): gathered again on
+    first use in backward, their gradients reduce-scattered once all exist."""
     r, zero, out = prog.rank, self.plan.zero, []
+    left = {u: len(ps) for u, ps in members.items()}
+    kept = foot.gathered[-1] if foot.gathered else None  # forward ends with it gathered
     # ZeRO-1/2 reduce every owned gradient in one collective after backward
-    # (runtime/zero.py ``finish_grads``); plain data parallel and ZeRO-3 in buckets.
+    # (runtime/zero.py ``finish_grads``); ZeRO-3 by unit; plain data parallel in buckets.
     cap = math.inf if zero in (1, 2) else self.bucket_bytes
     buckets: dict[tuple, list[str]] = {}
     fill: dict[tuple, float] = {}
@@ -57,7 +62,11 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
             grp = _mine((grp,), r)
             buckets.setdefault(grp, []).append(p)
             fill[grp] = fill.get(grp, 0.0) + nbytes[p]
-            if fill[grp] >= cap:
+            if p in unit_of:
+                left[unit_of[p]] -= 1
+                if not left[unit_of[p]]:
+                    flush(grp)
+            elif fill[grp] >= cap:
                 flush(grp)
 
     for idx in range(len(prog.instrs) - 1, -1, -1):
@@ -66,18 +75,22 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
         if isinstance(ins, Compute):
             cost = self.costs[ins.node]
             refs = refs_of[idx]
-            if zero >= 3:
-                for p in refs:
-                    if p in params and p not in gathered and params[p].grad_groups:
-                        gathered.add(p)
-                        grp = _mine(params[p].grad_groups, r)
-                        out.append(Task(COMM, f"all_gather {params[p].path}", (), ("zb:" + p,),
-                                        self.comm(Collective.ALL_GATHER, nbytes[p], grp),
-                                        ("zb", p, grp), self._meet(grp), stage))
+            for p in refs:
+                if p in unit_of and p not in gathered:
+                    u = unit_of[p]
+                    gathered.update(members[u])
+                    if u == kept:
+                        continue
+                    grp = _mine(params[p].grad_groups, r)
+                    size = sum(nbytes[q] for q in members[u])
+                    out.append(Task(COMM, f"all_gather unit {u} bwd", (),
+                                    tuple("zb:" + q for q in members[u]),
+                                    self.comm(Collective.ALL_GATHER, size, grp),
+                                    ("zb", u, grp), self._meet(grp), stage))
             if not cost.grad:
                 continue
             waits = tuple("g:" + o for o in ins.outputs) + tuple(
-                "zb:" + p for p in refs if p in gathered)
+                "zb:" + p for p in refs if p in gathered and unit_of.get(p) != kept)
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
                             tuple("g:" + a for a in refs), cost.bwd, stage=stage))
             for p in refs:

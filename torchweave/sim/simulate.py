@@ -9,13 +9,19 @@ member of their group has reached them.
 Memory per rank: parameters, gradients and AdamW state (per ZeRO stage, from
 :func:`~torchweave.sim.memory.model_state_memory`), buffers, the activations
 saved for backward (the distinct storages that some op's backward needs, by
-the rule of :mod:`torchweave.sim.saved`; parameters excluded) and
-temporary buffers (the largest gradient bucket, or twice the largest single
-activation). A rank over its device's memory is out of memory.
+the rule of :mod:`torchweave.sim.saved`; parameters excluded; recompute groups
+keep only their inputs) and temporary buffers (the largest of: a gradient
+bucket, twice the largest single activation, two ZeRO-3 units, the full local
+gradients that ZeRO-1/2 shard after backward). ZeRO-1/2 as the runtime runs
+them also hold an fp32 master copy of each member's parameter shard. Pipelined
+plans hold each stage's activations per micro-batch in flight
+(:mod:`torchweave.sim.pipelined`). A rank over its device's memory is out of
+memory.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -210,14 +216,18 @@ def _memory(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tuple
         f = feet[r]
         dp = _zero_group(plan, programs[ranks.index(r)], r)
         state = model_state_memory(f.params, dp=dp, stage=plan.zero, precision=precision)
-        # ZeRO-2 as the runtime runs it: autograd fills full local gradients, reduce-scattered
-        # to shards only after backward, so at the peak the gradients are not yet sharded.
-        grads = (state.grads if plan.zero != 2 else
-                 model_state_memory(f.params, dp=dp, stage=1, precision=precision).grads)
-        out.append(MemoryUse(params=state.params, grads=grads, optimizer=state.optimizer,
-                             buffers=f.buffers,
+        grads, opt, temps = state.grads, state.optimizer, f.temporaries
+        if plan.zero in (1, 2) and dp > 1:
+            # As the runtime runs them (runtime/zero.py): autograd fills full local gradients
+            # (a temporary), one all-reduce or reduce-scatter leaves each member its shard,
+            # and the optimizer steps an fp32 master copy of the member's parameter shard.
+            full = model_state_memory(f.params, precision=precision).grads
+            grads, temps = math.ceil(full / dp), max(temps, full)
+            if precision == "fp32":
+                opt += math.ceil(4 * f.params / dp)
+        out.append(MemoryUse(params=state.params, grads=grads, optimizer=opt, buffers=f.buffers,
                              activations=f.activations if activations is None else activations[r],
-                             temporaries=f.temporaries))
+                             temporaries=temps))
     return tuple(out)
 
 

@@ -40,6 +40,7 @@ from torchweave.sim.comm import Collective, collective_time
 from torchweave.sim.cost import ComputeModel, dtype_of, op_time
 from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
 from torchweave.sim.profile import OpProfiles, first_piece, op_key
+from torchweave.sim.units import units
 from torchweave.sim.saved import ALIAS_OPS, STRIDING_OPS, Saves, packet, saves
 
 
@@ -68,6 +69,8 @@ class Footprint:
     """Pipelined plans: bytes received into each stage from other stage groups."""
     n_fwd: int = 0
     """How many of the rank's tasks are forward (the rest: backward, sync, optimizer)."""
+    gathered: list[int] = field(default_factory=list)
+    """ZeRO-3: units in the order forward gathers them."""
     buffers: int = 0
     activations: int = 0
     temporaries: int = 0
@@ -175,6 +178,11 @@ class Builder:
         first_reader: dict[str, int] = {}
         refs_of: dict[int, list[str]] = {}
         kept_stage: dict[str, int] = {}
+        owned = {p: s for p, s in params.items() if s.grad_groups} if zero >= 3 else {}
+        unit_of = units(prog, owned, {p: math.prod(b - a for a, b in s.box) for p, s in owned.items()})
+        members: dict[int, list[str]] = {}
+        for p, u in unit_of.items():
+            members.setdefault(u, []).append(p)
         for idx, ins in enumerate(prog.instrs):
             mark = len(fwd)
             if isinstance(ins, Compute):
@@ -183,11 +191,17 @@ class Builder:
                 for p in refs:
                     if p in params and p not in first_reader:
                         first_reader[p] = idx
-                        if zero >= 3 and params[p].grad_groups:
+                        if p in unit_of and unit_of[p] not in foot.gathered:
+                            u = unit_of[p]
+                            foot.gathered.append(u)
                             grp = _mine(params[p].grad_groups, r)
-                            fwd.append(Task(COMM, f"all_gather {params[p].path}", (), (p,),
-                                            self.comm(Collective.ALL_GATHER, nbytes[p], grp),
-                                            ("zf", p, grp), self._meet(grp)))
+                            size = sum(nbytes[q] for q in members[u])
+                            # The unit in use and the next one, prefetched.
+                            foot.temporaries = max(foot.temporaries, int(2 * size))
+                            fwd.append(Task(COMM, f"all_gather unit {u} ({params[p].path}...)", (),
+                                            tuple(members[u]),
+                                            self.comm(Collective.ALL_GATHER, size, grp),
+                                            ("zf", u, grp), self._meet(grp)))
                 for o, b in zip(ins.outputs, cost.out_bytes):
                     nbytes[o] = b
                 self._storages(ins, refs, root, strided)
@@ -220,7 +234,8 @@ class Builder:
         foot.n_fwd = len(fwd)
         from torchweave.sim.backward import backward_tasks
 
-        tasks = fwd + backward_tasks(self, prog, params, first_reader, refs_of, nbytes, foot)
+        tasks = fwd + backward_tasks(self, prog, params, first_reader, refs_of, nbytes, foot,
+                                     unit_of, members)
         return tasks, foot
 
     def _stage(self, ins) -> int:
