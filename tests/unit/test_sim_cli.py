@@ -96,3 +96,31 @@ def test_calibrate_quick_writes_a_cluster_the_simulator_accepts(tmp_path, capsys
     assert cluster.device.peak.fp32 > 1e8 and cluster.intra.bandwidth > 1e6
     assert main(["simulate", "gpt-tiny", "--cluster", str(out_yaml), "--plan", "dp"]) == 0
     assert "step time" in capsys.readouterr().out
+
+
+def test_explain_checks_the_plan_fits_the_cluster(tmp_path, capsys) -> None:
+    plan = tmp_path / "dp4.json"
+    assert main(["plan", "gpt-tiny", "--plan", "dp", "--world-size", "4", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    # Too many ranks: an error naming the plan's field and the rule, before lowering.
+    assert main(["explain", str(plan), "gpt-tiny", "--cluster", "2xA100-80GB-SXM"]) == 2
+    out = capsys.readouterr().out
+    assert "world_size" in out and "a plan must fit the cluster" in out and "2 devices" in out
+    # Fits in devices and memory.
+    assert main(["explain", str(plan), "gpt-tiny", "--cluster", "8xA100-80GB-SXM"]) == 0
+    assert "fits: uses 4 of the cluster's 8 devices" in capsys.readouterr().out
+    # Out of memory: the device, the rule and the biggest contributors; exit status 1.
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("device:\n  base: A100-80GB-SXM\n  name: tiny-1MiB\n  memory_bytes: 1048576\n"
+                    "nodes: 1\ndevices_per_node: 4\n")
+    assert main(["explain", str(plan), "gpt-tiny", "--cluster", str(spec)]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: OUT OF MEMORY" in out and "tiny-1MiB" in out
+    assert "must fit its device" in out and "biggest:" in out
+
+
+def test_explain_pipelined_plan_shows_stages_and_bubble(capsys) -> None:
+    assert main(["explain", "1f1b", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "stage" in out.splitlines()[1] or " stage " in out
+    assert "1f1b schedule, 2 stages" in out and "bubble" in out and "in flight" in out

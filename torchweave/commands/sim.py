@@ -133,6 +133,8 @@ class OpRow:
     comm_time: float
     time: float
     memory: int
+    stage: int | None = None
+    """Pipelined plans: the node's stage."""
 
 
 @dataclass
@@ -161,6 +163,12 @@ def explain_plan(setup: Setup) -> Explained:
     from torchweave.sim.cost import ComputeModel
     from torchweave.sim.tasks import Builder
 
+    plan, cluster = setup.plan, setup.cluster
+    if plan.world_size > cluster.size:  # before lowering: the plan must fit the cluster
+        raise TorchweaveError(Problem(
+            obj=f"plan {plan.name!r} world_size", value=str(plan.world_size),
+            rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
+            fix=f"use a cluster of at least {plan.world_size} devices, or a plan for {cluster.size}"))
     programs = lower(setup.graph, setup.plan)
     result = _sim(setup, programs=programs)
     model = ComputeModel.for_device(setup.cluster.device)
@@ -188,7 +196,8 @@ def explain_plan(setup: Setup) -> Explained:
             devices=_devices(setup.plan.assignment.get(node.name, [])),
             comm=names,
             comm_time=sum(coll.get(n, 0.0) + coll.get(n + " bwd", 0.0) for n in names),
-            time=cost.fwd + cost.bwd, memory=sum(cost.out_bytes)))
+            time=cost.fwd + cost.bwd, memory=sum(cost.out_bytes),
+            stage=setup.plan.pipeline.stage_of.get(node.name) if setup.plan.pipeline else None))
     return Explained(result, rows, coll)
 
 
@@ -200,25 +209,50 @@ def explain_cmd(args: argparse.Namespace, console: Console) -> int:
     mine = explain_plan(Setup(graph, plan, cluster, dtype))
     _op_table(mine, console, limit=None if args.all else 60)
     _top_costs(mine, console, k=args.top)
+    fits = _fit(mine, cluster, console)
     if args.vs:
         other_plan = _plan_for(args.vs, graph, cluster, plan.world_size)
         other = explain_plan(Setup(graph, other_plan, cluster, dtype))
         _compare(mine, other, console, k=args.top)
-    return 0
+    return 0 if fits else 1
+
+
+def _fit(ex: Explained, cluster, console: Console) -> bool:
+    """Whether the plan fits the cluster: devices (checked before simulating) and memory."""
+    r = ex.result
+    cap = cluster.device.memory_bytes
+    used = f"uses {r.world_size} of the cluster's {cluster.size} devices"
+    if not r.oom:
+        worst = max(range(len(r.memory)), key=lambda i: r.memory[i].peak)
+        console.print(f"fits: {used}; peak memory {r.memory[worst].peak / GiB:.3g} GiB on rank "
+                      f"{worst} of {cap / GiB:.3g} GiB ({cluster.device.name})",
+                      highlight=False, markup=False)
+        return True
+    o = r.oom[0]
+    console.print(f"does not fit: OUT OF MEMORY on {len(r.oom)} of {r.world_size} ranks; rank "
+                  f"{o.rank} needs {o.peak / GiB:.3g} GiB, {o.device} has {o.capacity / GiB:.3g} "
+                  f"GiB (rule: a rank's predicted peak memory must fit its device); biggest: "
+                  + ", ".join(f"{w} {n / GiB:.3g} GiB" for w, n in o.contributors[:3])
+                  + "; fix: shard more (zero, tp, pipeline stages), recompute, or use bigger devices",
+                  highlight=False, markup=False)
+    return False
 
 
 def _op_table(ex: Explained, console: Console, limit: int | None) -> None:
     r = ex.result
     t = Table(title=f"plan {r.plan_name!r} on {r.cluster}: per op (time = fwd+bwd of one piece, "
                     "memory = local outputs)", title_justify="left")
-    for col in ("node", "op", "partition", "devices", "communication before", "time", "memory"):
+    staged = any(row.stage is not None for row in ex.rows)
+    cols = ("node", "op") + (("stage",) if staged else ()) + (
+        "partition", "devices", "communication before", "time", "memory")
+    for col in cols:
         t.add_column(col, no_wrap=col != "communication before",
                      justify="right" if col in ("time", "memory") else "left")
     rows = ex.rows if limit is None else ex.rows[:limit]
     for row in rows:
         comm = "; ".join(row.comm) + (f" ({_ms(row.comm_time)})" if row.comm else "")
-        t.add_row(row.node, row.op, row.partition, row.devices, comm or "-", _ms(row.time),
-                  _mib(row.memory))
+        t.add_row(row.node, row.op, *((str(row.stage),) if staged else ()), row.partition,
+                  row.devices, comm or "-", _ms(row.time), _mib(row.memory))
     console.print(t)
     if limit is not None and len(ex.rows) > limit:
         console.print(f"... {len(ex.rows) - limit} more ops (--all shows every op)")
@@ -229,6 +263,8 @@ def _top_costs(ex: Explained, console: Console, k: int) -> None:
     console.print(f"step {_ms(r.step_time)}, comm/rank {_ms(sum(r.comm_time) / len(r.comm_time))}, "
                   f"peak memory {max(r.peak_memory) / GiB:.3g} GiB, MFU {r.mfu:.1%}",
                   highlight=False, markup=False)
+    for note in r.notes:
+        console.print(f"  {note}", highlight=False, markup=False)
     console.print(f"top {k} ops by time:", highlight=False)
     for row in sorted(ex.rows, key=lambda x: -x.time)[:k]:
         console.print(f"  {_ms(row.time):>12}  {row.node} ({row.op}, {row.partition})",

@@ -60,23 +60,27 @@ class OpProfiles:
         return None if hit is None else (hit[0] * self.scale, hit[1] * self.scale)
 
     def save(self, path: str | Path) -> None:
+        """Write this device's table into the cache at ``path`` (other devices' are kept)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        devices = _read(path)
+        devices[self.device] = {k: list(v) for k, v in sorted(self.table.items())}
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": VERSION, "device": self.device,
-                                   "table": {k: list(v) for k, v in sorted(self.table.items())}},
-                                  indent=0))
+        tmp.write_text(json.dumps({"version": VERSION, "devices": devices}, indent=0))
         tmp.replace(path)
 
     @staticmethod
     def load(path: str | Path, *, device: str, scale: float = 1.0) -> "OpProfiles":
-        """The cache at ``path`` for ``device`` (empty when absent or for another device)."""
-        path = Path(path)
-        if path.is_file():
-            data = json.loads(path.read_text())
-            if data.get("version") == VERSION and data.get("device") == device:
-                return OpProfiles(device, {k: (v[0], v[1]) for k, v in data["table"].items()}, scale)
-        return OpProfiles(device, {}, scale)
+        """``device``'s table from the cache at ``path`` (empty when absent)."""
+        table = _read(Path(path)).get(device, {})
+        return OpProfiles(device, {k: (v[0], v[1]) for k, v in table.items()}, scale)
+
+
+def _read(path: Path) -> dict[str, dict[str, list[float]]]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data.get("devices", {}) if data.get("version") == VERSION else {}
 
 
 def first_piece(plan: Plan, node: str) -> PieceInfo | None:
