@@ -39,15 +39,26 @@ def _recompute(graph, world_size):
     return with_recompute(resolve("1f1b", graph, world_size), graph, ("mlp", "attn"))
 
 
+def _coshard(graph, world_size):
+    """1F1B with block 1's MLP co-sharded 4 ways on its one device."""
+    from torchweave.policies import resolve
+    from torchweave.policies.coshard import with_coshard
+
+    chain = [n.name for n in graph.nodes if n.module.startswith("blocks.1.mlp")][:4]
+    return with_coshard(resolve("1f1b", graph, world_size), graph, chain, 4, "n")
+
+
 CASES = {
     2: [("gpt-tiny", "gpipe"), ("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "mid-block"), ("gpt-tiny", "recompute"), ("gpt-tiny", "1f1b+clip"),
+        ("gpt-tiny", "coshard"),
         ("llama-tiny", "1f1b")],
     4: [("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "1f1b:tp=2"), ("gpt-tiny", "gpipe:dp=2,zero=1")],
     8: [("gpt-tiny", "1f1b:dp=2,tp=2,zero=1"), ("llama-tiny", "interleaved:dp=2,tp=2,zero=2")],
 }
-SPECIAL = {"mid-block": _mid_block_cuts, "recompute": _recompute, "1f1b+clip": "1f1b"}
+SPECIAL = {"mid-block": _mid_block_cuts, "recompute": _recompute, "1f1b+clip": "1f1b",
+           "coshard": _coshard}
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ just before it and passed in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Union
+from typing import Callable, Hashable, Iterator, Union
 
 from torchweave.lower.program import Comm, Compute, Free, Instr, Program
 from torchweave.lower.stages import reads, writes
@@ -21,7 +21,8 @@ from torchweave.lower.stages import reads, writes
 
 @dataclass
 class RecomputeRun:
-    group: int
+    group: Hashable
+    """A recompute group's index, or ("co-shard", region, piece)."""
     items: list[tuple[int, Instr]]
     later: set[str]
     """Names read after the run."""
@@ -37,7 +38,9 @@ class RecomputeRun:
                 if n not in written and n not in inputs:
                     inputs.append(n)
         outputs = [n for ins in body for n in writes(ins) if n in self.later or n in keep]
-        name = f"_rc{self.group}_{self.items[0][0]}"
+        name = f"_rc{self.items[0][0]}"
+        label = (f"co-shard region {self.group[1]} piece {self.group[2]}" if isinstance(self.group, tuple)
+                 else f"recompute group {self.group}")
         nodes = sorted({ins.node if isinstance(ins, Compute) else ins.consumer for ins in body
                         if isinstance(ins, (Compute, Comm))})
         lines = []
@@ -45,7 +48,7 @@ class RecomputeRun:
             for prm in first_use.get(i, []):
                 box = ", ".join(f"{a}:{b}" for a, b in prm.box)
                 lines.append(f"    {prm.local} = p[{prm.path!r}]  # [{box}] of {tuple(prm.full_shape)}")
-        lines.append(f"    def {name}({', '.join(inputs)}):  # recompute group {self.group}: "
+        lines.append(f"    def {name}({', '.join(inputs)}):  # {label}: "
                      f"{', '.join(nodes[:6])}{' …' if len(nodes) > 6 else ''}")
         lines += ["    " + line(prog, ins) for ins in body]
         tup = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
@@ -70,8 +73,10 @@ def recompute_runs(prog: Program, instrs: list[Instr]
     run: RecomputeRun | None = None
     pending: list[tuple[int, Instr]] = []
 
-    def key(ins: Instr) -> int | None:
+    def key(ins: Instr) -> Hashable | None:
         if isinstance(ins, Compute):
+            if ins.chunk is not None:
+                return ("co-shard", *ins.chunk)
             return group_of.get(ins.node)
         if isinstance(ins, Comm):
             return group_of.get(ins.consumer)

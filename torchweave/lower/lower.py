@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 from torchweave.errors import Problem
 from torchweave.ir.graph import Graph, Node, Ref
+from torchweave.lower.coshard import coshard_key, lower_region
 from torchweave.lower.derive import Need, derive
 from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
@@ -50,8 +51,18 @@ class Lowering:
     def run(self) -> list[Program]:
         self._plan_params()
         self._place_inputs()
-        for node in self.graph.nodes:
-            self._node(node)
+        nodes, i = self.graph.nodes, 0
+        while i < len(nodes):
+            key = coshard_key(self.plan, nodes[i].name)
+            if key is None:
+                self._node(nodes[i])
+                i += 1
+                continue
+            j = i + 1
+            while j < len(nodes) and coshard_key(self.plan, nodes[j].name) == key:
+                j += 1
+            lower_region(self, nodes[i:j], *key)
+            i = j
         self._finish()
         return self.programs
 
@@ -86,7 +97,7 @@ class Lowering:
         readers: dict[str, list[dict[int, Need]]] = {}
         for node in self.graph.nodes:
             if len({p.device for p in node_pieces(self.plan, node.name)}) < self.plan.num_pieces(node.name):
-                continue  # co-shard: reported by _node
+                continue  # co-shard: its pieces read parameters through _provide
             for ref, tspec, needs in self._input_needs(node)[0]:
                 if self.graph.values[ref.name].kind in ("param", "buffer") and not tspec.meta_only:
                     readers.setdefault(ref.name, []).append(needs)
@@ -109,13 +120,6 @@ class Lowering:
         by_device: dict[int, list[PieceInfo]] = {}
         for p in pieces:
             by_device.setdefault(p.device, []).append(p)
-        multi = [d for d, ps in by_device.items() if len(ps) > 1]
-        if multi:
-            raise PlanError(Problem(
-                obj=f"node {node.name}", value=f"{len(by_device[multi[0]])} pieces on device {multi[0]}",
-                rule="this runtime runs one piece of a node per device",
-                fix="assign each piece to its own device",
-            ))
         refs = node.input_refs()
         specs = bound.annotation.inputs
         local_inputs: dict[tuple[int, int], str] = {}

@@ -31,6 +31,8 @@ class Compute:
     outputs: tuple[str, ...]
     structure: str
     comment: str = ""
+    chunk: tuple[int, int] | None = None
+    """Co-shard: (region, piece) — the pieces of a region run one after another."""
 
 
 @dataclass(frozen=True)

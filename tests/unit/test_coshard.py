@@ -1,0 +1,121 @@
+"""Co-shard on one device: same numbers, and the region's peak memory falls by about (k-1)/k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.conftest import built, captured, state_of
+from torchweave.api import capture
+from torchweave.codegen.render import render, write
+from torchweave.errors import TorchweaveError
+from torchweave.lower.lower import lower
+from torchweave.plan.plan import Plan
+from torchweave.policies import resolve
+from torchweave.policies.coshard import with_coshard
+from torchweave.runtime.executor import RankModule
+from torchweave.runtime.groups import GroupCache
+
+
+class PeakMemory(TorchDispatchMode):
+    """Peak bytes of the storages made by ops (forward and backward) alive at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+class MLP(nn.Module):
+    """One wide MLP: its hidden activation is most of the step's memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 4096), nn.Linear(4096, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x))).pow(2).mean()
+
+
+def _module(graph, plan, state, tmp_path, tag: str) -> RankModule:
+    programs = lower(graph, plan)
+    (path,) = write(programs, str(tmp_path / tag))
+    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    return RankModule(programs[0], path, state, gc)
+
+
+def test_coshard_region_memory_falls_by_k_minus_1_over_k(tmp_path) -> None:
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 128, 64)
+    graph = capture(model, (x,))
+    chain = [n.name for n in graph.nodes[:4]]  # fc1 (matmul, bias), gelu, fc2's matmul
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    peaks, losses, grads = {}, {}, {}
+    for k in (1, 2, 4):
+        plan = resolve("dp", graph, 1)
+        if k > 1:
+            with_coshard(plan, graph, chain, k, "n")
+            assert Plan.from_json(plan.to_json()) == plan
+        module = _module(graph, plan, state, tmp_path, f"k{k}")
+        module.backward_step(x)  # warm up: the optimizer is not stepped, grads are reset
+        for p in module.params.values():
+            p.grad = None
+        with PeakMemory() as pm:
+            losses[k] = module.backward_step(x)
+        peaks[k] = pm.peak
+        grads[k] = {n: p.grad.clone() for n, p in module.params.items()}
+    model.zero_grad()
+    model(x).backward()
+    for k in (1, 2, 4):
+        assert abs(losses[k] - losses[1]) <= 1e-6 * abs(losses[1])
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[k][name], p.grad, rtol=1e-5, atol=1e-8)
+    # peak(k) = rest + region / k: two measurements give the rest; the third is checked
+    rest = 2 * peaks[2] - peaks[1]
+    region = peaks[1] - rest
+    drop = (peaks[1] - peaks[4]) / region
+    assert region > 0.7 * peaks[1], peaks  # the region is most of the memory
+    assert 0.65 <= drop <= 0.85, (drop, peaks)  # (k-1)/k = 0.75
+
+
+def test_coshard_code_runs_each_piece_under_its_own_recompute(tmp_path) -> None:
+    graph = captured("gpt-tiny")
+    chain = [n.name for n in graph.nodes if n.module.startswith("blocks.0.mlp")][:4]
+    plan = with_coshard(resolve("dp", graph, 1), graph, chain, 4, "n")
+    src = render(lower(graph, plan)[0])
+    assert src.count("torch.utils.checkpoint.checkpoint(_rc") == 4
+    assert "co-shard region" in src and "co-shard: partial sums 0..3" in src
+    model, inputs = built("gpt-tiny")[:2]
+    state = {k: v.detach() for k, v in state_of(model).items()}
+    module = _module(graph, plan, state, tmp_path, "gpt")
+    loss = module.backward_step(*inputs)
+    model.zero_grad()
+    want = model(*inputs)
+    want.backward()
+    assert abs(loss - float(want.detach())) < 1e-5
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(module.params[name].grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_coshard_is_rejected_before_launch() -> None:
+    graph = captured("gpt-tiny")
+    with pytest.raises(TorchweaveError, match="splits that dimension evenly"):
+        with_coshard(resolve("dp", graph, 1), graph, ["linear_4_nobias"], 3, "n")
+    plan = resolve("dp", graph, 2)
+    with pytest.raises(TorchweaveError, match="runs whole on one device"):
+        with_coshard(plan, graph, ["linear_4_nobias"], 2, "n")
