@@ -124,3 +124,14 @@ def test_explain_pipelined_plan_shows_stages_and_bubble(capsys) -> None:
     out = capsys.readouterr().out
     assert "stage" in out.splitlines()[1] or " stage " in out
     assert "1f1b schedule, 2 stages" in out and "bubble" in out and "in flight" in out
+
+
+def test_simulate_profile_times_ops_here_and_caches_them(tmp_path, monkeypatch, capsys) -> None:
+    from torchweave.commands import sim
+
+    monkeypatch.setattr(sim, "PROFILE_CACHE", tmp_path / "ops.json")
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xCPU-2core", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "profiled" in out and "step time" in out and (tmp_path / "ops.json").is_file()
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xCPU-2core", "--profile"]) == 0
+    assert "profiled 0 op pieces" in capsys.readouterr().out  # all cached

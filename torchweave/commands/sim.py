@@ -68,10 +68,33 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return _DTYPES[name] if name else None
 
 
-def _sim(setup: Setup, *, programs=None):
+def _sim(setup: Setup, *, programs=None, profiles=None):
     from torchweave.sim.simulate import simulate
 
-    return simulate(setup.graph, setup.plan, setup.cluster, dtype=setup.dtype, programs=programs)
+    return simulate(setup.graph, setup.plan, setup.cluster, dtype=setup.dtype, programs=programs,
+                    profiles=profiles)
+
+
+PROFILE_CACHE = Path.home() / ".cache" / "torchweave" / "op-profiles" / "ops.json"
+"""Where ``--profile`` keeps measured op times (one table per device)."""
+
+
+def _profiles(setup: Setup, console: Console):
+    """Time the plan's op pieces here (1 thread), reusing the cache; the profiles."""
+    from torchweave.sim.profile import OpProfiles, profile_graph
+
+    device = f"{setup.cluster.device.name} on this machine, 1 thread"
+    profiles = OpProfiles.load(PROFILE_CACHE, device=device)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = profile_graph(setup.graph, setup.plan, profiles, dtype=setup.dtype)
+    finally:
+        torch.set_num_threads(before)
+    profiles.save(PROFILE_CACHE)
+    console.print(f"profiled {n} op pieces here ({len(profiles.table)} cached in {PROFILE_CACHE})",
+                  highlight=False, markup=False)
+    return profiles
 
 
 def _ms(seconds: float) -> str:
@@ -95,7 +118,8 @@ def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
     cluster = load_cluster(args.cluster)
     graph = _capture(args.model, args.meta)
     plan = _plan_for(args.plan, graph, cluster, args.world_size)
-    result = _sim(Setup(graph, plan, cluster, _dtype(args.dtype)))
+    setup = Setup(graph, plan, cluster, _dtype(args.dtype))
+    result = _sim(setup, profiles=_profiles(setup, console) if getattr(args, "profile", False) else None)
     console.print(result.summary(), highlight=False, markup=False)
     per = [f"{r}: {m.peak / GiB:.3g}" for r, m in enumerate(result.memory)]
     shown = ", ".join(per[:8]) + (f", ... ({len(per) - 8} more)" if len(per) > 8 else "")
