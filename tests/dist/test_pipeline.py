@@ -48,17 +48,29 @@ def _coshard(graph, world_size):
     return with_coshard(resolve("1f1b", graph, world_size), graph, chain, 4, "n")
 
 
+def _orders(graph, world_size):
+    """1F1B reordered by user op-order: each rank runs every forward before its first backward."""
+    from torchweave.plan.schedules import Action
+    from torchweave.policies import resolve
+    from torchweave.policies.pipeline import with_schedule
+
+    plan = resolve("1f1b", graph, world_size)
+    m = plan.pipeline.micro_batches
+    orders = [(Action.parse(f"{r}F{m - 1}"), Action.parse(f"{r}B0")) for r in range(world_size)]
+    return with_schedule(plan, plan.pipeline.schedule, orders=orders)
+
+
 CASES = {
     2: [("gpt-tiny", "gpipe"), ("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "mid-block"), ("gpt-tiny", "recompute"), ("gpt-tiny", "1f1b+clip"),
-        ("gpt-tiny", "coshard"),
+        ("gpt-tiny", "coshard"), ("gpt-tiny", "orders"),
         ("llama-tiny", "1f1b")],
     4: [("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "1f1b:tp=2"), ("gpt-tiny", "gpipe:dp=2,zero=1")],
     8: [("gpt-tiny", "1f1b:dp=2,tp=2,zero=1"), ("llama-tiny", "interleaved:dp=2,tp=2,zero=2")],
 }
 SPECIAL = {"mid-block": _mid_block_cuts, "recompute": _recompute, "1f1b+clip": "1f1b",
-           "coshard": _coshard}
+           "coshard": _coshard, "orders": _orders}
 
 
 @functools.lru_cache(maxsize=None)

@@ -171,3 +171,17 @@ def test_recompute_groups_keep_less_and_compute_the_same(tmp_path) -> None:
     for p in g0:
         torch.testing.assert_close(g1[p], g0[p], rtol=1e-6, atol=1e-8)
     assert "torch.utils.checkpoint.checkpoint(_rc" in (tmp_path / "1" / "rank0.py").read_text()
+
+
+def test_user_op_order_constraints_reorder_a_schedule() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("1f1b:micro=4", graph, 2)
+    a = Action.parse
+    with_schedule(plan, plan.pipeline.schedule, orders=[(a("0F3"), a("0B0")), (a("1F3"), a("1B0"))])
+    validate(plan, graph)
+    for rank, actions in plan.pipeline.schedule.items():
+        assert actions.index(a(f"{rank}F3")) < actions.index(a(f"{rank}B0"))
+    with pytest.raises(ScheduleError, match="form no cycle"):
+        with_schedule(plan, plan.pipeline.schedule, orders=[(a("0B0"), a("0F0"))])
+    with pytest.raises(ScheduleError, match="relates actions on one rank"):
+        with_schedule(plan, plan.pipeline.schedule, orders=[(a("0F0"), a("1F0"))])

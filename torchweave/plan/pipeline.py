@@ -162,3 +162,54 @@ def compute_only(schedule: Schedule) -> Schedule:
     """The F, B, I and W actions of each rank, in order (the runtime derives its messages)."""
     return {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.items()}
 
+
+
+def apply_orders(schedule: Schedule, orders: list[tuple[Action, Action]]) -> Schedule:
+    """``schedule`` reordered so that each ``(before, after)`` holds: user op-order on stage actions.
+
+    Each rank's actions are re-sorted topologically under the given orders
+    plus each (stage, micro-batch)'s own F → B/I → W; among actions free to
+    run, the one earliest in ``schedule`` goes first, so an empty list changes
+    nothing. Orders between ranks, cycles and unknown actions are reported.
+    """
+    rank_of = {a: r for r, acts in schedule.items() for a in acts}
+    problems = []
+    for before, after in orders:
+        for a in (before, after):
+            if a not in rank_of:
+                problems.append(Problem(obj="op-order", value=str(a), rule="orders name actions of the schedule"))
+        if before in rank_of and after in rank_of and rank_of[before] != rank_of[after]:
+            problems.append(Problem(obj="op-order", value=f"{before} before {after}",
+                                    rule="op-order relates actions on one rank",
+                                    fix="communication already orders actions across ranks"))
+    if problems:
+        raise ScheduleError(problems, header="cannot apply the op-order constraints")
+    out: Schedule = {}
+    for rank, acts in schedule.items():
+        pos = {a: i for i, a in enumerate(acts)}
+        need: dict[Action, set[Action]] = {a: set() for a in acts}
+        for before, after in orders:
+            if rank_of[after] == rank:
+                need[after].add(before)
+        for a in acts:
+            for kind in _AFTER.get(a.kind.value, ()):
+                prev = next((b for b in acts if b.stage == a.stage and b.micro == a.micro
+                             and b.kind.value == kind), None)
+                if prev is not None:
+                    need[a].add(prev)
+        done: list[Action] = []
+        left = sorted(acts, key=pos.get)
+        while left:
+            ready = next((a for a in left if need[a] <= set(done)), None)
+            if ready is None:
+                raise ScheduleError(Problem(obj=f"rank {rank}", value=", ".join(map(str, left[:6])),
+                                            rule="op-order constraints form no cycle"),
+                                    header=format_schedule({rank: acts}))
+            done.append(ready)
+            left.remove(ready)
+        out[rank] = done
+    return out
+
+
+_AFTER = {"B": ("F",), "I": ("F",), "W": ("I",)}
+"""Kinds each action waits for, on its own (stage, micro-batch)."""

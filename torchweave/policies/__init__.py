@@ -14,7 +14,8 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.data import dp, zero1, zero2, zero3
-from torchweave.policies.pipeline import SCHEDULES, pipeline
+from torchweave.policies.pipeline import SCHEDULES
+from torchweave.policies.pipeline import pipeline as pipeline_policy
 from torchweave.policies.random import random_plan
 from torchweave.policies.tensor import sp, tp
 
@@ -22,7 +23,7 @@ Policy = Callable[..., Plan]
 POLICIES: dict[str, Policy] = {
     "dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "tp": tp, "sp": sp,
     "random": random_plan,
-    **{name: functools.partial(pipeline, schedule=name) for name in SCHEDULES},
+    **{name: functools.partial(pipeline_policy, schedule=name) for name in SCHEDULES},
 }
 _PIPELINE_OPTIONS = ("pp", "tp", "dp", "micro", "virtual", "stages", "zero")
 PlanLike = Union[Plan, Policy, str]
@@ -71,7 +72,7 @@ def _with_options(text: str, graph: Graph, world_size: int) -> Plan:
         options[key] = int(value)
     if problems:
         raise TorchweaveError(problems)
-    return pipeline(graph, world_size, schedule=name, **options)
+    return pipeline_policy(graph, world_size, schedule=name, **options)
 
 
-__all__ = ["POLICIES", "dp", "pipeline", "resolve", "random_plan", "sp", "tp", "zero1", "zero2", "zero3"]
+__all__ = ["POLICIES", "dp", "pipeline_policy", "resolve", "random_plan", "sp", "tp", "zero1", "zero2", "zero3"]

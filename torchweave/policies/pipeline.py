@@ -24,10 +24,10 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
 from torchweave.plan.layout import Mesh
-from torchweave.plan.pipeline import Pipeline
+from torchweave.plan.pipeline import Pipeline, apply_orders
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import (
-    Schedule, check_stage_count, from_csv, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
+    Action, Schedule, check_stage_count, from_csv, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
     zero_bubble_h1,
 )
 from torchweave.policies.data import dp as dp_policy
@@ -117,13 +117,16 @@ def cut_at(graph: Graph, cuts: list[int], stages: int) -> dict[str, int]:
     return {node.name: sum(1 for c in cuts if i >= c) for i, node in enumerate(graph.nodes)}
 
 
-def with_schedule(plan: Plan, schedule: Schedule | str) -> Plan:
-    """``plan`` with a user's schedule (a :data:`Schedule` or its CSV text); checked on validate."""
+def with_schedule(plan: Plan, schedule: Schedule | str,
+                  orders: list[tuple[Action, Action]] | None = None) -> Plan:
+    """``plan`` with a user's schedule (a :data:`Schedule` or its CSV text), or its own schedule
+    reordered by op-order constraints ``(before, after)``; checked on validate."""
     if plan.pipeline is None:
         raise TorchweaveError(Problem(obj=f"plan {plan.name!r}", value="no pipeline",
                                       rule="a schedule orders the stages of a pipelined plan",
                                       fix="start from a pipeline policy, e.g. resolve('1f1b', ...)"))
-    plan.pipeline.schedule = from_csv(schedule) if isinstance(schedule, str) else dict(schedule)
+    sched = from_csv(schedule) if isinstance(schedule, str) else dict(schedule)
+    plan.pipeline.schedule = apply_orders(sched, orders) if orders else sched
     plan.pipeline.kind = "custom"
     return plan
 
