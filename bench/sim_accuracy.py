@@ -23,11 +23,14 @@
 3. Simulate each plan with ``torchweave.sim.simulate(graph, plan, cluster)``
    twice: with the calibrated roofline, and with profiled op times
    (``torchweave.sim.profile``: each plan's op pieces and optimizer step timed
-   by every rank at once, inside the measuring launch before training, so the
-   timings see the same sharing of the cores; the slowest rank's time per
-   op; cached in ``--profiles`` by op, local shapes, dtype and device, the
-   device naming how many ranks share the cores). The table's "predicted" is
-   the profiled one.
+   by every rank at once, inside the measuring launch just before that plan
+   trains (afresh for every plan), so the timings see the same sharing of the
+   cores; the slowest rank's time per op; written to ``--profiles``, keyed
+   by op, local shapes, dtype and device, the device naming how many ranks
+   share the cores), and what a collective costs beyond its α-β time when the
+   ranks come to it from computing (``profile_sync``: out-of-step ranks on
+   shared cores), added to every collective. The table's "predicted" is the
+   profiled one.
 4. Print predicted vs measured with relative errors and the median absolute
    error; write it to bench/results-sim-accuracy.md.
 
@@ -37,7 +40,6 @@ Run: python bench/sim_accuracy.py [--worlds 2 4] [--plans dp zero1 ...] [--steps
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import statistics
@@ -51,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from parallel import GPT_BATCH, GPT_KW, OPTIMIZER, held_bytes, make_gpt, tw_memory  # noqa: E402
+from parallel import GPT_BATCH, GPT_KW, OPTIMIZER, make_gpt, tw_memory  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results-sim-accuracy.md")
 PLANS = ["dp", "zero1", "zero2", "zero3", "tp", "sp"]
@@ -141,25 +143,33 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int) -> dict[str, Any]:
     return {"s": statistics.median(times), "state": state, "act": sum(seen.values())}
 
 
-def _profile_ops(ctx, plans: list[str], known: set[str]) -> dict[str, tuple[float, float]]:
+def _profile_ops(ctx, plan: str, profiles) -> None:
     """Every rank times its op pieces at once, so the timings see the contention of
-    training (N processes on these cores); the keys not in ``known``."""
+    training (N processes on these cores), just before that plan is measured."""
     import torchweave
     from torchweave.policies import resolve
-    from torchweave.sim.profile import OpProfiles, profile_graph
+    from torchweave.sim.profile import profile_graph
 
     model, batch = make_gpt()
     graph = torchweave.capture(model, batch)
-    profiles = OpProfiles("here", {k: (0.0, 0.0) for k in known})
+    dist.barrier()
+    profile_graph(graph, resolve(plan, graph, ctx.world_size), profiles)
+
+
+def rank_main(ctx, plans: list[str], warmup: int, steps: int) -> dict[str, Any]:
+    from torchweave.sim.profile import OpProfiles
+
+    from torchweave.sim.profile import profile_sync
+
+    out: dict[str, Any] = {"profiles": {}}
     for plan in plans:
+        # Timed afresh for each plan, just before it trains: the load on these shared
+        # cores changes from one minute to the next.
+        profiles = OpProfiles("here")
+        _profile_ops(ctx, plan, profiles)
         dist.barrier()
-        profile_graph(graph, resolve(plan, graph, ctx.world_size), profiles)
-    return {k: v for k, v in profiles.table.items() if k not in known}
-
-
-def rank_main(ctx, plans: list[str], warmup: int, steps: int, known: set[str]) -> dict[str, Any]:
-    out = {"profiles": _profile_ops(ctx, plans, known)}
-    for plan in plans:
+        profile_sync(profiles, ranks=ctx.world_size, all_reduce=dist.all_reduce)
+        out["profiles"][plan] = profiles.table
         try:
             out[plan] = _measure_plan(ctx, plan, warmup, steps)
         except Exception as e:  # noqa: BLE001 - reported in the table
@@ -167,15 +177,21 @@ def rank_main(ctx, plans: list[str], warmup: int, steps: int, known: set[str]) -
     return out
 
 
-def measure(world: int, plans: list[str], warmup: int, steps: int, profiles) -> dict[str, Any]:
-    """Measured steps per plan; new op timings (the slowest rank's) go into ``profiles``."""
+def measure(world: int, plans: list[str], warmup: int, steps: int,
+            profiles: dict[str, Any]) -> dict[str, Any]:
+    """Measured steps per plan; each plan's op timings (the slowest rank's) go into
+    ``profiles[plan]``."""
     from torchweave.runtime.launch import LaunchConfig, spawn
 
     cfg = LaunchConfig(world_size=world, backend="gloo", timeout_s=300.0, threads_per_rank=1)
-    per_rank = spawn(rank_main, cfg, plans, warmup, steps, set(profiles.table))
-    for key in per_rank[0]["profiles"]:
-        got = [r["profiles"][key] for r in per_rank if key in r["profiles"]]
-        profiles.table[key] = (max(g[0] for g in got), max(g[1] for g in got))
+    per_rank = spawn(rank_main, cfg, plans, warmup, steps)
+    for plan in plans:
+        table = profiles[plan].table
+        for key in per_rank[0]["profiles"].get(plan, {}):
+            got = [r["profiles"][plan][key] for r in per_rank if key in r["profiles"].get(plan, {})]
+            table[key] = (max(g[0] for g in got), max(g[1] for g in got))
+        print(f"{plan}: {len(table)} op pieces timed; a collective after compute costs "
+              f"+{table.get(f'sync|{world}', (0,))[0] * 1e3:.2f} ms", flush=True)
     out = {}
     for plan in plans:
         rs = [r[plan] for r in per_rank]
@@ -203,7 +219,7 @@ def simulate_plans(world: int, plans: list[str], cluster, profiles) -> dict[str,
     for plan in plans:
         p = resolve(plan, graph, world)
         roof = simulate(graph, p, cluster)
-        res = simulate(graph, p, cluster, profiles=profiles)
+        res = simulate(graph, p, cluster, profiles=profiles[plan])
         mems = [m.params + m.grads + m.optimizer + m.activations for m in res.memory]
         i = max(range(len(mems)), key=mems.__getitem__)
         m = res.memory[i]
@@ -245,14 +261,16 @@ def main() -> None:
         print(specs[-1], flush=True)
         from torchweave.sim.profile import OpProfiles
 
-        # Op timings cached by op, local shapes, dtype and device; the device includes how
-        # many ranks share these cores, since that is what each rank's ops see.
-        profiles = OpProfiles.load(args.profiles, device=f"{d.name} 1 thread x{world} ranks")
-        n = len(profiles.table)
+        # Op timings by op, local shapes, dtype and device; the device includes how many
+        # ranks share these cores, since that is what each rank's ops see. Re-measured on
+        # every run (this machine is shared, its load changes), then cached for reuse.
+        device = f"{d.name} 1 thread x{world} ranks"
+        profiles = {plan: OpProfiles(device) for plan in args.plans}
         real = measure(world, args.plans, args.warmup, args.steps, profiles)
-        profiles.save(args.profiles)
-        print(f"profiled {len(profiles.table) - n} new op pieces ({len(profiles.table)} cached "
-              f"in {args.profiles})", flush=True)
+        cache = OpProfiles.load(args.profiles, device=device)
+        for plan in args.plans:
+            cache.table.update(profiles[plan].table)
+        cache.save(args.profiles)
         sim = simulate_plans(world, args.plans, cluster, profiles)
         for plan in args.plans:
             p, r = sim[plan], real[plan]

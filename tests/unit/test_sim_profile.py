@@ -47,3 +47,20 @@ def test_simulate_uses_profiled_times_in_place_of_the_roofline() -> None:
     prof.scale = 2.0
     assert max(simulate(g, plan, cluster, profiles=prof).compute_time) > 1.9 * max(res.compute_time)
     assert max(simulate(g, plan, cluster).compute_time) < max(res.compute_time)
+
+
+def test_sync_overhead_is_added_to_every_collective() -> None:
+    from torchweave.sim.profile import profile_sync, sync_key
+
+    prof = OpProfiles("test")
+    extra = profile_sync(prof, ranks=2, all_reduce=lambda x: None, segment=1e-4, reps=3)
+    assert extra >= 0 and prof.table[sync_key(2)] == (extra, 0.0)
+    g = captured("gpt-tiny")
+    plan = resolve("tp", g, 2)
+    cluster = parse_cluster("2xA100-80GB-SXM")
+    base = simulate(g, plan, cluster, profiles=OpProfiles("test"))
+    prof = OpProfiles("test", {sync_key(2): (1e-3, 0.0)})
+    slow = simulate(g, plan, cluster, profiles=prof)
+    n = sum(1 for e in slow.timeline if e.rank == 0 and e.stream == "comm")
+    assert n > 0
+    assert slow.comm_time[0] == pytest.approx(base.comm_time[0] + n * 1e-3, rel=1e-6)

@@ -255,5 +255,40 @@ def profile_optimizer(numels: list[int], profiles: OpProfiles, *, reps: int = 5)
     return True
 
 
+def sync_key(ranks: int) -> str:
+    """Cache key of the extra seconds a collective over ``ranks`` costs after compute."""
+    return f"sync|{ranks}"
+
+
+def profile_sync(profiles: OpProfiles, *, ranks: int, all_reduce, segment: float = 0.005,
+                 reps: int = 15) -> float:
+    """Measure, on every rank of a running group at once, what a collective costs when the
+    ranks come to it from computing rather than from waiting: the median of
+    ``compute; all_reduce`` minus ``compute`` alone and ``all_reduce`` alone (``all_reduce``
+    reduces one float over the group). On a machine whose cores are shared (more
+    ranks than cores, other jobs) ranks arrive out of step and each collective waits
+    for the last; a calibration with idle ranks does not see it. Stored as
+    ``(seconds, 0)`` under :func:`sync_key`; the simulator adds it to every collective."""
+    a = torch.randn(128, 128)
+    t_one = _median(lambda: a @ a, 5)
+    n = max(1, int(segment / max(t_one, 1e-7)))
+    x = torch.ones(1)
+
+    def compute() -> None:
+        for _ in range(n):
+            a @ a
+
+    def both() -> None:
+        compute()
+        all_reduce(x)
+
+    all_reduce(x)
+    t_c = _median(compute, reps)
+    t_r = _median(lambda: all_reduce(x), reps)
+    extra = max(0.0, _median(both, reps) - t_c - t_r)
+    profiles.table[sync_key(ranks)] = (extra, 0.0)
+    return extra
+
+
 __all__ = ["OpProfiles", "first_piece", "op_key", "optimizer_key", "profile_graph",
-           "profile_optimizer", "time_call"]
+           "profile_optimizer", "profile_sync", "sync_key", "time_call"]

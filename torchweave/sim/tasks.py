@@ -39,7 +39,7 @@ from torchweave.sim.cluster import Cluster
 from torchweave.sim.comm import Collective, collective_time
 from torchweave.sim.cost import ComputeModel, dtype_of, op_time
 from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
-from torchweave.sim.profile import OpProfiles, first_piece, op_key
+from torchweave.sim.profile import OpProfiles, first_piece, op_key, sync_key
 from torchweave.sim.units import units
 from torchweave.sim.saved import ALIAS_OPS, STRIDING_OPS, Saves, packet, saves
 
@@ -145,7 +145,10 @@ class Builder:
     def comm(self, collective: Collective, nbytes: float, group: tuple[int, ...]) -> float:
         key = (collective, int(nbytes), group)
         if key not in self._comm_cache:
-            self._comm_cache[key] = collective_time(self.cluster, collective, int(nbytes), group).seconds
+            t = collective_time(self.cluster, collective, int(nbytes), group).seconds
+            if self.profiles is not None and len(group) > 1:  # ranks arriving out of step
+                t += (self.profiles.lookup(sync_key(len(group))) or (0.0,))[0]
+            self._comm_cache[key] = t
         return self._comm_cache[key]
 
     # ---------------------------------------------------------------- one rank
