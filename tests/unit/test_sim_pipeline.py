@@ -120,3 +120,15 @@ def test_recompute_groups_trade_time_for_activation_memory() -> None:
     a, b = simulate(g, plain, cluster), simulate(g, again, cluster)
     assert b.memory[0].activations < 0.5 * a.memory[0].activations
     assert max(b.compute_time) > max(a.compute_time)
+
+
+def test_pipelined_timeline_has_each_action_on_each_device() -> None:
+    from tests.conftest import captured
+    from torchweave.policies import resolve
+    from torchweave.sim import parse_cluster, simulate, to_chrome_trace
+
+    g = captured("gpt-tiny")
+    r = simulate(g, resolve("1f1b", g, 2), parse_cluster("2xA100-80GB-SXM"))
+    names = {(e.rank, e.name) for e in r.timeline}
+    assert (0, "0F0") in names and (1, "1B3") in names
+    assert {e["pid"] for e in to_chrome_trace(r)["traceEvents"] if e["ph"] == "X"} == {0, 1}

@@ -183,7 +183,6 @@ def _devices(devs: list[int]) -> str:
 def explain_plan(setup: Setup) -> Explained:
     """Per-op partition, devices, communication, time and memory of one plan."""
     from torchweave.lower import steps
-    from torchweave.lower.lower import lower
     from torchweave.sim.cost import ComputeModel
     from torchweave.sim.tasks import Builder
 
@@ -193,8 +192,12 @@ def explain_plan(setup: Setup) -> Explained:
             obj=f"plan {plan.name!r} world_size", value=str(plan.world_size),
             rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
             fix=f"use a cluster of at least {plan.world_size} devices, or a plan for {cluster.size}"))
-    programs = lower(setup.graph, setup.plan)
-    result = _sim(setup, programs=programs)
+    from torchweave.sim.simulate import lower_programs
+
+    # One data-parallel replica lowered for all when the plan allows (sim/symmetry.py);
+    # the communication each node gets is the same on every replica.
+    programs, _ = lower_programs(setup.graph, setup.plan, None)
+    result = _sim(setup)
     model = ComputeModel.for_device(setup.cluster.device)
     costs = Builder(setup.graph, setup.plan, setup.cluster, setup.dtype, model, 25 * 2**20).costs
     # Collective time per event name: sum on each rank, max over ranks.

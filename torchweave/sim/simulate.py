@@ -179,7 +179,7 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
                                    symmetry=symmetry, profiles=profiles)
     rep = None
     if programs is None:
-        programs, rep = _lower(graph, plan, symmetry)
+        programs, rep = lower_programs(graph, plan, symmetry)
     model = model or ComputeModel.for_device(cluster.device)
     meet = frozenset(range(rep.size)) if rep else None
     builder = Builder(graph, plan, cluster, dtype, model, bucket_bytes, profiles=profiles, meet=meet)
@@ -188,7 +188,8 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         tasks[prog.rank], feet[prog.rank] = builder.tasks(prog)
     if plan.pipeline is not None:
         return _pipelined(graph, plan, cluster, programs, builder, tasks, feet, dtype=dtype,
-                          model=model, strict=strict, tokens_per_step=tokens_per_step)
+                          model=model, strict=strict, tokens_per_step=tokens_per_step,
+                          timeline=timeline)
     serial = frozenset() if cluster.device.comm_overlaps_compute else frozenset(tasks)
     runs, events = run(tasks, record=timeline, serial=serial)
     step = max((r.end for r in runs.values()), default=0.0)
@@ -232,7 +233,7 @@ def _memory(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tuple
 
 
 def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, model, strict,
-               tokens_per_step) -> SimResult:
+               tokens_per_step, timeline) -> SimResult:
     """A pipelined plan: per-stage costs, the schedule, then sync and optimizer."""
     from torchweave.sim.pipelined import run_pipeline
 
@@ -243,6 +244,9 @@ def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, m
     total = step.step_time + max(tail.values(), default=0.0)
     extra = {r: feet[r].activations - sum(feet[r].stage_activations.values()) for r in ranks}
     acts = {r: step.activation_peak[k[r]] + max(0, extra[r]) // pipe.micro_batches for r in ranks}
+    # The timeline: each pipeline rank's actions on every device of its group.
+    events = [Event(d, "compute", str(a), t0, t1) for k_, t0, t1, a in step.events
+              for d in pipe.groups[k_]] if timeline else []
     notes = (f"{pipe.kind} schedule, {pipe.stages} stages, {pipe.micro_batches} micro-batches: "
              f"bubble {step.bubble_fraction:.1%}, micro-batches in flight per pipeline rank "
              f"{[step.in_flight[i] for i in sorted(step.in_flight)]}",)
@@ -253,7 +257,7 @@ def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, m
         memory=_memory(plan, programs, feet, ranks, dtype, acts),
         flops=sum(c.model_flops for c in builder.costs.values()),
         tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
-        dtype=dtype, model=model, strict=strict, events=[], notes=notes,
+        dtype=dtype, model=model, strict=strict, events=events, notes=notes,
         bubble=step.bubble_fraction)
 
 
@@ -288,7 +292,7 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
         timeline=events, notes=notes, pipeline_bubble=bubble)
 
 
-def _lower(graph: Graph, plan: Plan, symmetry: bool | None):
+def lower_programs(graph: Graph, plan: Plan, symmetry: bool | None):
     """Programs to simulate, and the replica symmetry used (None: every rank lowered)."""
     from torchweave.lower.lower import lower
     from torchweave.sim.symmetry import find_replicas, lift_programs, reduce_plan
