@@ -119,3 +119,15 @@ def test_48_layers_on_1024_ranks_is_fast() -> None:
     assert result.world_size == 1024 and len(result.memory) == 1024 and result.step_time > 0
     assert len(result.notes) == 2
     assert elapsed < 5, f"48 layers on 1,024 ranks took {elapsed:.1f} s"
+
+
+def test_recompute_folds_only_when_every_block_is_recomputed() -> None:
+    g = _gpt(8)
+    plan = resolve("dp", g, 2)
+    blocks = [tuple(n.name for n in g.nodes if n.module.startswith(f"blocks.{b}.")) for b in range(8)]
+    plan.recompute = blocks[3:4]
+    assert find_blocks(g, plan) is None  # one block differs
+    plan.recompute = list(blocks)
+    assert find_blocks(g, plan) is not None
+    cluster = parse_cluster("2xA100-80GB-SXM")
+    _same(simulate(g, plan, cluster, fold=True), simulate(g, plan, cluster, fold=False))

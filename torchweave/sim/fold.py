@@ -20,7 +20,8 @@ the 4-block model. The timeline is the 4-block model's.
 Blocks are found by module path: a run of nodes under ``<prefix>.<i>.`` for
 ``i = 0 … L-1`` (``blocks.3.attn.q_proj``). They are *identical* when, node by
 node, target, arguments, output shapes and dtypes, and the plan's transforms
-and devices agree, with each reference into the block before, within the block
+and devices and whether it is recomputed agree, with each reference into the
+block before, within the block
 or to the block's own parameters at the same position. Anything else
 (references that skip a block, a parameter shared between blocks, a plan that
 treats one block differently) means no folding.
@@ -100,6 +101,7 @@ def _signature(graph: Graph, plan: Plan, blocks: Blocks, b: int, where: dict,
                users: dict) -> tuple | None:
     """Block ``b`` node by node, with references made relative (None: not foldable)."""
     s, e = blocks.spans[b]
+    recomputed = {n for grp in plan.recompute for n in grp}
     sig = []
     for q in range(s, e):
         node = graph.nodes[q]
@@ -130,7 +132,7 @@ def _signature(graph: Graph, plan: Plan, blocks: Blocks, b: int, where: dict,
         metas = tuple((m.shape, m.dtype) for m in graph.output_metas(node))
         trans = tuple((t.dim, t.parts) for t in plan.transforms(node.name))
         sig.append((node.target, repr(args), metas, node.output_structure, trans,
-                    tuple(plan.assignment.get(node.name, ()))))
+                    tuple(plan.assignment.get(node.name, ())), node.name in recomputed))
     return tuple(sig)
 
 
@@ -207,7 +209,8 @@ def cut(graph: Graph, plan: Plan, blocks: Blocks, k: int) -> tuple[Graph, Plan]:
               meta=dict(graph.meta))
     p = replace(plan, trans={n: t for n, t in plan.trans.items() if n in kept},
                 assignment={n: a for n, a in plan.assignment.items() if n in kept},
-                orders=[o for o in plan.orders if o.before.node in kept and o.after.node in kept])
+                orders=[o for o in plan.orders if o.before.node in kept and o.after.node in kept],
+                recompute=[g for g in (tuple(n for n in grp if n in kept) for grp in plan.recompute) if g])
     return g, p
 
 

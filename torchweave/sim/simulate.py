@@ -166,6 +166,8 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         raise SimError(Problem(obj=f"plan {plan.name!r}", value=f"{plan.world_size} ranks",
                                rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
                                fix=f"use a cluster of at least {plan.world_size} devices"))
+    if plan.pipeline is not None:  # stages differ by construction: no folding, no replicas
+        fold, symmetry = False, False
     if programs is None and fold is not False:
         from torchweave.sim.fold import find_blocks
 
