@@ -147,6 +147,22 @@ class ScheduleConfig:
 
 # Plans whose every rank holds a different part of each sample (no data parallelism).
 _NO_DP_PLANS = ("tp", "sp")
+# Pipeline plans ("1f1b", "zb:micro=8,dp=2,tp=2"): data-parallel degree is their ``dp`` option.
+_PIPELINE_PLANS = ("gpipe", "1f1b", "interleaved", "zb", "interlaced")
+
+
+def _plan_dp(plan: str, world_size: int) -> tuple[int, str]:
+    """The data-parallel degree a plan name implies, and how (for error messages)."""
+    name, _, opts = plan.partition(":")
+    if name in _NO_DP_PLANS:
+        return 1, f"plan {plan!r}: dp = 1"
+    if name in _PIPELINE_PLANS:
+        for item in opts.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() == "dp" and value.strip().isdigit():
+                return int(value), f"plan {plan!r}: dp = its dp option"
+        return 1, f"plan {plan!r}: dp = its dp option, 1 by default"
+    return world_size, f"plan {plan!r}: dp = world_size"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +170,10 @@ class ParallelConfig:
     """How the work is split over ranks."""
 
     plan: str = "dp"
-    """A built-in policy (``dp``, ``zero1``-``zero3``, ``tp``, ``sp``), a plan.json path,
+    """A built-in policy (``dp``, ``zero1``-``zero3``, ``tp``, ``sp``), a pipeline
+    (``gpipe``, ``1f1b``, ``interleaved``, ``zb``, ``interlaced``, with options such as
+    ``1f1b:micro=8,dp=2,tp=2``; each ``micro_batch`` batch is cut into the schedule's
+    micro-batches), a plan.json path (taken as data-parallel over the world),
     or ``auto``: the data-parallel policy (``dp``, ``zero1``-``zero3``) the simulator
     predicts fastest on this machine among those that fit in memory."""
     world_size: int = 2
@@ -170,8 +189,8 @@ class ParallelConfig:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: ranks that see different samples."""
-        return 1 if self.plan in _NO_DP_PLANS else self.world_size
+        """Data-parallel degree: groups of ranks that see different samples."""
+        return _plan_dp(self.plan, self.world_size)[0]
 
     def __post_init__(self) -> None:
         problems = []
@@ -184,8 +203,7 @@ class ParallelConfig:
                 obj="parallel.global_batch", value=str(self.global_batch),
                 rule=f"global_batch({self.global_batch}) != micro_batch({self.micro_batch}) * "
                      f"grad_accum({self.grad_accum}) * dp({self.dp})"
-                     + (f" (plan {self.plan!r}: dp = 1)" if self.plan in _NO_DP_PLANS
-                        else f" (plan {self.plan!r}: dp = world_size)"),
+                     f" ({_plan_dp(self.plan, self.world_size)[1]})",
                 fix=f"set global_batch to {self.micro_batch * self.grad_accum * self.dp}, "
                     "or change micro_batch or grad_accum"))
         if problems:
