@@ -23,14 +23,14 @@
 3. Simulate each plan with ``torchweave.sim.simulate(graph, plan, cluster)``
    twice: with the calibrated roofline, and with profiled op times
    (``torchweave.sim.profile``: each plan's op pieces and optimizer step timed
-   by every rank at once, inside the measuring launch just before that plan
-   trains (afresh for every plan), so the timings see the same sharing of the
-   cores; the slowest rank's time per op; written to ``--profiles``, keyed
-   by op, local shapes, dtype and device, the device naming how many ranks
-   share the cores), and what a collective costs beyond its α-β time when the
-   ranks come to it from computing (``profile_sync``: out-of-step ranks on
-   shared cores), added to every collective. The table's "predicted" is the
-   profiled one.
+   by every rank at once, inside the measuring launch, one pass after each
+   timed step, the median over the passes; so steps and timings sample the
+   same minutes of the shared machine's load; the slowest rank's time per op;
+   written to ``--profiles``, keyed by op, local shapes, dtype and device, the
+   device naming how many ranks share the cores), and what a collective costs
+   beyond its α-β time when the ranks come to it from computing
+   (``profile_sync``: out-of-step ranks on shared cores), added to every
+   collective. The table's "predicted" is the profiled one.
 4. Print predicted vs measured with relative errors and the median absolute
    error; write it to bench/results-sim-accuracy.md.
 
@@ -92,7 +92,9 @@ def _saved_bytes_hooks(exclude: set[int], seen: dict[int, int]):
     return record
 
 
-def _measure_plan(ctx, plan: str, warmup: int, steps: int) -> dict[str, Any]:
+def _measure_plan(ctx, plan: str, warmup: int, steps: int, profile) -> dict[str, Any]:
+    """Timed steps, and after each one a pass of ``profile()`` (op timings), so that steps
+    and timings sample the same minutes of this shared machine's load."""
     from torchweave.parallel import parallelize
     from torchweave.runtime.executor import StepConfig
 
@@ -106,6 +108,7 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int) -> dict[str, Any]:
         module.train_step(*batch)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            profile()
 
     # One more step, split: activations saved during its forward, model state after backward.
     exclude = {p.untyped_storage().data_ptr() for p in module.params.values()}
@@ -143,37 +146,44 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int) -> dict[str, Any]:
     return {"s": statistics.median(times), "state": state, "act": sum(seen.values())}
 
 
-def _profile_ops(ctx, plan: str, profiles) -> None:
-    """Every rank times its op pieces at once, so the timings see the contention of
-    training (N processes on these cores), just before that plan is measured."""
+def _profiler(ctx, plan: str, passes: list[dict]):
+    """A callable that times the plan's op pieces once on every rank at once (so the
+    timings see the contention of training: N processes on these cores), plus what a
+    collective costs after compute; each call appends one pass to ``passes``."""
     import torchweave
     from torchweave.policies import resolve
-    from torchweave.sim.profile import profile_graph
+    from torchweave.sim.profile import OpProfiles, profile_graph, profile_sync
 
     model, batch = make_gpt()
     graph = torchweave.capture(model, batch)
-    dist.barrier()
-    profile_graph(graph, resolve(plan, graph, ctx.world_size), profiles)
+    p = resolve(plan, graph, ctx.world_size)
+
+    def once() -> None:
+        profiles = OpProfiles("here")
+        dist.barrier()
+        profile_graph(graph, p, profiles, reps=1)
+        dist.barrier()
+        profile_sync(profiles, ranks=ctx.world_size, all_reduce=dist.all_reduce, reps=3)
+        passes.append(profiles.table)
+
+    return once
+
+
+def _median_table(passes: list[dict]) -> dict[str, tuple[float, float]]:
+    keys = set().union(*passes) if passes else set()
+    return {k: (statistics.median(t[k][0] for t in passes if k in t),
+                statistics.median(t[k][1] for t in passes if k in t)) for k in keys}
 
 
 def rank_main(ctx, plans: list[str], warmup: int, steps: int) -> dict[str, Any]:
-    from torchweave.sim.profile import OpProfiles
-
-    from torchweave.sim.profile import profile_sync
-
     out: dict[str, Any] = {"profiles": {}}
     for plan in plans:
-        # Timed afresh for each plan, just before it trains: the load on these shared
-        # cores changes from one minute to the next.
-        profiles = OpProfiles("here")
-        _profile_ops(ctx, plan, profiles)
-        dist.barrier()
-        profile_sync(profiles, ranks=ctx.world_size, all_reduce=dist.all_reduce)
-        out["profiles"][plan] = profiles.table
+        passes: list[dict] = []
         try:
-            out[plan] = _measure_plan(ctx, plan, warmup, steps)
+            out[plan] = _measure_plan(ctx, plan, warmup, steps, _profiler(ctx, plan, passes))
         except Exception as e:  # noqa: BLE001 - reported in the table
             out[plan] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]}
+        out["profiles"][plan] = _median_table(passes)
     return out
 
 
