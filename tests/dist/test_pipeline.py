@@ -63,10 +63,10 @@ def _orders(graph, world_size):
 CASES = {
     2: [("gpt-tiny", "gpipe"), ("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "mid-block"), ("gpt-tiny", "recompute"), ("gpt-tiny", "1f1b+clip"),
-        ("gpt-tiny", "coshard"), ("gpt-tiny", "orders"),
+        ("gpt-tiny", "coshard"), ("gpt-tiny", "orders"), ("gpt-tiny", "interlaced"),
         ("llama-tiny", "1f1b")],
     4: [("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
-        ("gpt-tiny", "1f1b:tp=2"), ("gpt-tiny", "gpipe:dp=2,zero=1")],
+        ("gpt-tiny", "1f1b:tp=2"), ("gpt-tiny", "gpipe:dp=2,zero=1"), ("llama-tiny", "interlaced")],
     8: [("gpt-tiny", "1f1b:dp=2,tp=2,zero=1"), ("llama-tiny", "interleaved:dp=2,tp=2,zero=2")],
 }
 SPECIAL = {"mid-block": _mid_block_cuts, "recompute": _recompute, "1f1b+clip": "1f1b",

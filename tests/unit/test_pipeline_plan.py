@@ -120,20 +120,22 @@ def test_bad_stage_placement_names_node_and_group() -> None:
     assert "a node's pieces run on its stage's group" in text
 
 
-def test_segments_hand_over_values_between_stages_on_one_rank() -> None:
-    """Interleaved stages cut mid-block: stage 2 reads stage 0's output on the same rank."""
+def test_segments_pass_values_between_stages_on_one_rank() -> None:
+    """Interleaved stages cut mid-block: stage 2 reads stage 0's output on the same rank,
+    through a boundary whose transfer is a message to itself (its gradient comes back the same way)."""
     graph = captured("gpt-tiny")
     names = [n.name for n in graph.nodes]
     plan = pipeline(graph, 2, schedule="interleaved", micro=2,
                     cuts=[names.index("layer_norm"), names.index("add_1"), names.index("layer_norm_2")])
     progs = lower(graph, plan)
     seg0, seg2 = progs[0].segments
-    assert "dropout" in seg0.outputs and "dropout" in seg2.inputs
-    assert [b.key for b in seg2.recvs] == ["dropout_1_p2p2"]
-    assert [b.local for b in seg0.sends] == ["dropout", "p_wte_weight"]  # tied LM head on rank 1
+    to_self = next(b for b in seg2.recvs if b.local.startswith("dropout_p2p"))
+    assert [(t.src, t.dst) for t in to_self.step.transfers] == [(0, 0)]
+    assert to_self.key in [b.key for b in seg0.sends]  # sent by stage 0, to rank 0 itself
+    assert any(b.local == "dropout_1_p2p3" for b in seg2.recvs)  # from stage 1 on rank 1
     src = render(progs[0])
     assert "def stage0(rt, p, idx, targets, b):" in src and "def stage2(" in src
-    assert "dropout = b['dropout']" in src
+    assert f"{to_self.key} = b['{to_self.key}']" in src
 
 
 def _saved_bytes(module: RankModule, inputs) -> int:
@@ -185,3 +187,37 @@ def test_user_op_order_constraints_reorder_a_schedule() -> None:
         with_schedule(plan, plan.pipeline.schedule, orders=[(a("0B0"), a("0F0"))])
     with pytest.raises(ScheduleError, match="relates actions on one rank"):
         with_schedule(plan, plan.pipeline.schedule, orders=[(a("0F0"), a("1F0"))])
+
+
+def test_interlaced_plan_shares_embedding_and_head_across_all_devices() -> None:
+    from torchweave.plan.interlaced import check_shared
+    from torchweave.plan.pipeline import ALL
+
+    graph = captured("gpt-tiny")
+    plan = resolve("interlaced", graph, 4)
+    validate(plan, graph)
+    assert Plan.from_json(plan.to_json()) == plan
+    pipe = plan.pipeline
+    assert pipe.stage_rank == [ALL, 0, 1, 2, 3, ALL] and pipe.shared == [0, 5]
+    # the embedding and the LM head are split over all four devices; each block op on one
+    assert sorted(plan.assignment["embedding"]) == [0, 1, 2, 3]
+    assert len(set(plan.assignment["linear_12"])) == 4  # the LM head, vocabulary-parallel
+    assert all(len(plan.assignment[n]) == 1 for n, s in pipe.stage_of.items() if 0 < s < 5)
+    shared = {r: [a for a in acts if a.stage in (0, 5)] for r, acts in pipe.schedule.items()}
+    assert all(row == shared[0] for row in shared.values())  # one order on every rank
+    progs = lower(graph, plan)
+    assert [s.stage for s in progs[2].segments] == [0, 3, 5]
+    # a rank joining the head of micro-batch 0 before its own forward of it deadlocks
+    sched = {r: list(acts) for r, acts in pipe.schedule.items()}
+    row = sched[3]
+    head = [row.pop(row.index(Action(5, Kind.F, 0))), row.pop(row.index(Action(5, Kind.B, 0)))]
+    row[pipe.micro_batches:pipe.micro_batches] = head
+    with pytest.raises(ScheduleError, match=r"stage 4 feeds stage 5"):
+        check_shared(sched, pipe.stage_rank, pipe.micro_batches)
+    sched[3] = list(pipe.schedule[3])
+    for r in range(3):  # ranks 0-2 join the head of micro-batch 0 before their blocks run it
+        row = sched[r]
+        head = [row.pop(row.index(Action(5, Kind.F, 0))), row.pop(row.index(Action(5, Kind.B, 0)))]
+        row[pipe.micro_batches:pipe.micro_batches] = head
+    with pytest.raises(ScheduleError, match=r"deadlocks(.|\n)*\[5F0\](.|\n)*\[4RECV_F0\]"):
+        check_shared(sched, pipe.stage_rank, pipe.micro_batches)

@@ -324,6 +324,12 @@ def _sum_groups(dst: dict[int, Need]) -> tuple[Group, ...] | None:
 
 
 # ---------------------------------------------------------------- fallback
+def point_to_point(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need]) -> Derivation:
+    """Transfers from where ``src`` holds the tensor to what ``dst`` needs, with no
+    collectives (pipeline boundaries: each message is sent when the schedule says)."""
+    return _p2p(shape, src, dst)
+
+
 def _intersect(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return out if all(lo < hi for lo, hi in out) else None

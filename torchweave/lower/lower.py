@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torchweave.errors import Problem
 from torchweave.ir.graph import Graph, Node, Ref
 from torchweave.lower.coshard import coshard_key, lower_region
-from torchweave.lower.derive import Need, derive
+from torchweave.lower.derive import Need, derive, point_to_point
 from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
 )
@@ -46,6 +46,7 @@ class Lowering:
         self.param_needs: dict[str, dict[int, Piece]] = {}
         self.counter = 0
         self.layouts: dict[str, Layout] = {}
+        self.producer = {o: n.name for n in graph.nodes for o in n.outputs if o}
 
     # ------------------------------------------------------------ driver
     def run(self) -> list[Program]:
@@ -195,9 +196,14 @@ class Lowering:
         key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
         if key in self.cache:
             return dict(self.cache[key])
-        der = derive(v.meta.shape, self.held[value], needs,
-                     defer_grad_sum=is_param and self.defer[value],
-                     differentiable=v.meta.dtype.is_floating_point)
+        if self._between_stages(value, node):
+            # a pipeline boundary: explicit transfers, whose backward sends the gradient to
+            # every holder (also holders that do not read it, such as a shared stage's devices)
+            der = point_to_point(v.meta.shape, self.held[value], needs)
+        else:
+            der = derive(v.meta.shape, self.held[value], needs,
+                         defer_grad_sum=is_param and self.defer[value],
+                         differentiable=v.meta.dtype.is_floating_point)
         if is_param:
             if der.grad_groups:
                 self.param_grad[value] = der.grad_groups
@@ -215,6 +221,11 @@ class Lowering:
         names = {d: current.get(d, value) for d in needs}
         self.cache[key] = names
         return dict(names)
+
+    def _between_stages(self, value: str, node: Node) -> bool:
+        pipe = self.plan.pipeline
+        src = self.producer.get(value)
+        return pipe is not None and src is not None and pipe.stage_of[src] != pipe.stage_of[node.name]
 
     def _group_ids(self, step) -> None:
         for g in getattr(step, "groups", ()):

@@ -69,25 +69,34 @@ def _stage_of(pipe: Pipeline, ins: Instr) -> int:
     return pipe.stage_of[node]
 
 
-def _crossing(pipe: Pipeline, ins: Comm) -> bool:
-    group = set(pipe.groups[pipe.stage_rank[pipe.stage_of[ins.consumer]]])
-    return not devices_of(ins.step) <= group
+def _crossing(pipe: Pipeline, ins: Instr, producer: dict[str, str]) -> bool:
+    """A step that carries a value between stages: leaving the consumer's group, or a
+    point-to-point transfer from another stage (a shared stage's group holds the producer's)."""
+    if not isinstance(ins, Comm):
+        return False
+    stage = pipe.stage_of[ins.consumer]
+    if not devices_of(ins.step) <= set(pipe.devices_of_stage(stage)):
+        return True
+    src = producer.get(ins.value)
+    return isinstance(ins.step, P2P) and src is not None and pipe.stage_of[src] != stage
 
 
 def split_stages(programs: list[Program], graph: Graph, plan: Plan) -> None:
     """Fill each program's segments, actions and micro-batch count (in place)."""
     pipe = plan.pipeline
     assert pipe is not None
-    keys = sorted({c.dst for prog in programs for c in prog.comms() if _crossing(pipe, c)})
+    producer = {o: n.name for n in graph.nodes for o in n.outputs if o}
+    keys = sorted({c.dst for prog in programs for c in prog.comms() if _crossing(pipe, c, producer)})
     index = {k: i for i, k in enumerate(keys)}
     schedule = compute_only(pipe.schedule)
     for prog in programs:
-        _split(prog, graph, pipe, index)
+        _split(prog, graph, pipe, index, producer)
         prog.actions = list(schedule.get(pipe.rank_of_device(prog.rank), []))
         prog.micro_batches = pipe.micro_batches
 
 
-def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int]) -> None:
+def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int],
+           producer: dict[str, str]) -> None:
     stages = pipe.stages_of_device(prog.rank)
     segs = {s: Segment(s, []) for s in stages}
     outside = {p.local for p in prog.params} | {i.local for i in prog.inputs}
@@ -111,18 +120,21 @@ def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int]) -
         if isinstance(ins, Free):
             continue
         s = _stage_of(pipe, ins)
-        if isinstance(ins, Comm) and _crossing(pipe, ins):
+        if isinstance(ins, Comm) and _crossing(pipe, ins, producer):
             if not isinstance(ins.step, P2P):
                 raise PlanError(Problem(
                     obj=f"value {ins.value}", value=f"{type(ins.step).__name__} across stage groups",
                     rule="values cross between stage groups by point-to-point transfers only"))
             dtype = graph.values[ins.value].meta.dtype
             grad = dtype.is_floating_point
-            if s in segs:
+            r, step = prog.rank, ins.step
+            receives = any(t.dst == r for t in step.transfers)
+            holds = any(t.src == r for t in step.transfers) or any(t.dst == r for t in step.grad_back)
+            if receives and s in segs:  # it may also hold a part: a message to itself
                 segs[s].recvs.append(Boundary(ins.dst, index[ins.dst], ins.step, ins.dst, grad,
                                               str(dtype)))
                 defined[ins.dst] = s
-            else:
+            if holds or not receives:
                 src = defined.get(ins.src, first_reader.get(ins.src, stages[0]))
                 if src not in segs:
                     src = stages[0]

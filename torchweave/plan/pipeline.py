@@ -11,6 +11,10 @@
   from the stages (lowering derives them), and the dry run places them next to
   their compute (:func:`~torchweave.plan.schedules.add_communication`).
 
+A stage with ``stage_rank[s] == ALL`` is *shared*: it runs on every device
+(the interlaced pipeline's embedding and LM head; see
+:mod:`torchweave.plan.interlaced`).
+
 Recompute groups (``Plan.recompute``) are separate: they apply to pipelined
 and plain plans alike.
 """
@@ -26,6 +30,8 @@ from torchweave.plan.schedules import (
 )
 
 Group = tuple[int, ...]
+ALL = -1
+"""``stage_rank`` of a shared stage: it runs on every pipeline rank, over all devices."""
 
 
 @dataclass(kw_only=True)
@@ -37,7 +43,7 @@ class Pipeline:
     stage_of: dict[str, int]
     """Node → stage."""
     stage_rank: list[int]
-    """Stage → pipeline rank (index into ``groups``)."""
+    """Stage → pipeline rank (index into ``groups``), or ``ALL`` for a shared stage."""
     micro_batches: int
     """Micro-batches per step (the batch's dim 0 is cut into this many)."""
     schedule: Schedule
@@ -55,7 +61,16 @@ class Pipeline:
 
     def stages_of_device(self, device: int) -> list[int]:
         k = self.rank_of_device(device)
-        return [s for s, r in enumerate(self.stage_rank) if r == k]
+        return [s for s, r in enumerate(self.stage_rank) if r == k or r == ALL]
+
+    @property
+    def shared(self) -> list[int]:
+        """Stages that run on every device."""
+        return [s for s, r in enumerate(self.stage_rank) if r == ALL]
+
+    def devices_of_stage(self, stage: int) -> Group:
+        r = self.stage_rank[stage]
+        return tuple(sorted(d for g in self.groups for d in g)) if r == ALL else self.groups[r]
 
     def to_data(self) -> dict[str, Any]:
         return {
@@ -104,7 +119,7 @@ def check_pipeline(pipe: Pipeline, *, world_size: int, nodes: dict[str, Any],
                  f"!= world_size({world_size})",
             fix="give every device to exactly one pipeline group"))
     p = len(pipe.groups)
-    bad = [r for r in pipe.stage_rank if not 0 <= r < p]
+    bad = [r for r in pipe.stage_rank if not 0 <= r < p and r != ALL]
     if bad:
         out.append(Problem(obj=f"{obj} stage_rank", value=str(pipe.stage_rank),
                            rule=f"each stage runs on a pipeline rank 0..{p - 1}"))
@@ -127,7 +142,7 @@ def check_pipeline(pipe: Pipeline, *, world_size: int, nodes: dict[str, Any],
             out.append(Problem(obj=f"node {name}", value=f"stage {s}",
                                rule=f"stages are 0..{pipe.stages - 1}"))
         elif not bad:
-            group = set(pipe.groups[pipe.stage_rank[s]])
+            group = set(pipe.devices_of_stage(s))
             extra = sorted(devices_of.get(name, set()) - group)
             if extra:
                 out.append(Problem(
@@ -145,6 +160,11 @@ def check_pipeline(pipe: Pipeline, *, world_size: int, nodes: dict[str, Any],
 
 def check_schedule(pipe: Pipeline) -> None:
     """Dry-run the schedule over every pipeline rank; raise :class:`ScheduleError` with the grid."""
+    if pipe.shared:
+        from torchweave.plan.interlaced import check_shared
+
+        check_shared(pipe.schedule, pipe.stage_rank, pipe.micro_batches)
+        return
     stage_to_rank = dict(enumerate(pipe.stage_rank))
     sched = pipe.schedule
     extra = sorted(set(sched) - set(range(len(pipe.groups))))

@@ -15,6 +15,7 @@ from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.data import dp, zero1, zero2, zero3
 from torchweave.policies.pipeline import SCHEDULES
+from torchweave.policies.pipeline import interlaced
 from torchweave.policies.pipeline import pipeline as pipeline_policy
 from torchweave.policies.random import random_plan
 from torchweave.policies.tensor import sp, tp
@@ -24,6 +25,7 @@ POLICIES: dict[str, Policy] = {
     "dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "tp": tp, "sp": sp,
     "random": random_plan,
     **{name: functools.partial(pipeline_policy, schedule=name) for name in SCHEDULES},
+    "interlaced": interlaced,
 }
 _PIPELINE_OPTIONS = ("pp", "tp", "dp", "micro", "virtual", "stages", "zero")
 PlanLike = Union[Plan, Policy, str]
@@ -58,6 +60,8 @@ def resolve(plan: PlanLike, graph: Graph, world_size: int) -> Plan:
 def _with_options(text: str, graph: Graph, world_size: int) -> Plan:
     """``"1f1b:micro=8,tp=2"``: a pipeline schedule's name with overridden defaults."""
     name, _, rest = text.partition(":")
+    if name == "interlaced" and rest.startswith("micro=") and rest[6:].isdigit():
+        return interlaced(graph, world_size, micro=int(rest[6:]))
     problems, options = [], {}
     if name not in SCHEDULES:
         problems.append(Problem(obj="plan", value=repr(text),

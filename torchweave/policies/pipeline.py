@@ -24,7 +24,8 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
 from torchweave.plan.layout import Mesh
-from torchweave.plan.pipeline import Pipeline, apply_orders
+from torchweave.plan.interlaced import interlaced_1f1b
+from torchweave.plan.pipeline import ALL, Pipeline, apply_orders
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import (
     Action, Schedule, check_stage_count, from_csv, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
@@ -83,6 +84,35 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
                              micro_batches=micro, schedule=order, kind=schedule)
     plan.notes["policy"] = (f"pipeline(schedule={schedule!r}, pp={pp}, dp={dp}, tp={tp}, "
                             f"micro={micro}, virtual={virtual}, zero={zero})")
+    return plan
+
+
+def interlaced(graph: Graph, world_size: int, *, micro: int | None = None) -> Plan:
+    """The interlaced pipeline: the token embedding before the numbered blocks and the LM
+    head with its loss after them are tensor-parallel over all devices (vocabulary-parallel,
+    by the ``tp`` policy) in two shared stages; the blocks between are pipelined, one stage
+    per device, in 1F1B; each rank runs the shared stages' actions between its own."""
+    keys = [_block(n.module) for n in graph.nodes]
+    inner = [i for i, k in enumerate(keys) if k]
+    if not inner or inner[-1] - inner[0] + 1 < world_size:
+        raise TorchweaveError(Problem(
+            obj="interlaced plan", value=f"{len(inner)} ops in numbered blocks",
+            rule=f"the blocks fill the {world_size} pipelined stages",
+            fix="use a model with numbered blocks (blocks.0, blocks.1, …) or fewer devices"))
+    micro = micro or 2 * world_size
+    plan = tp_policy(graph, world_size)
+    body = graph.nodes[inner[0]:inner[-1] + 1]
+    stage_of = {n.name: 0 for n in graph.nodes[:inner[0]]}
+    stage_of.update({name: s + 1 for name, s in cut(graph, world_size, body).items()})
+    stage_of.update({n.name: world_size + 1 for n in graph.nodes[inner[-1] + 1:]})
+    for n in body:  # op-assign: the whole block op on its stage's device
+        plan.trans.pop(n.name, None)
+        plan.assign_all(n.name, [stage_of[n.name] - 1])
+    plan.name = "interlaced"
+    plan.pipeline = Pipeline(groups=[(d,) for d in range(world_size)], stage_of=stage_of,
+                             stage_rank=[ALL, *range(world_size), ALL], micro_batches=micro,
+                             schedule=interlaced_1f1b(world_size, micro), kind="interlaced")
+    plan.notes["policy"] = f"interlaced(micro={micro})"
     return plan
 
 
@@ -154,13 +184,13 @@ def _block(module: str) -> str:
     return ""
 
 
-def cut(graph: Graph, stages: int) -> dict[str, int]:
-    """Node → stage: graph order cut into ``stages`` runs of about equal FLOPs.
+def cut(graph: Graph, stages: int, nodes: list | None = None) -> dict[str, int]:
+    """Node → stage: graph order (or ``nodes``) cut into ``stages`` runs of about equal FLOPs.
 
     Cuts go where a numbered block starts or ends when there are enough such
     places, else anywhere. Each stage gets at least one node.
     """
-    nodes = graph.nodes
+    nodes = graph.nodes if nodes is None else nodes
     if stages > len(nodes):
         raise TorchweaveError(Problem(
             obj="pipeline stages", value=f"stages={stages}",
