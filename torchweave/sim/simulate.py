@@ -156,10 +156,12 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     ``symmetry``: lower and simulate one data-parallel replica for all
     (:mod:`torchweave.sim.symmetry`); None: when the plan has more than two
     replicas on ``SYMMETRY_RANKS`` ranks or more and no ``programs`` are
-    given. Per-rank results are the same for every replica; the timeline has replica 0's ranks only. ``fold``: simulate
-    2 and 3 of the model's identical blocks and extrapolate
-    (:mod:`torchweave.sim.fold`); None: for graphs of ``FOLD_NODES`` nodes or
-    more, when no ``programs`` are given. ``profiles``: measured op times
+    given. Per-rank results are the same for every replica; the timeline has
+    replica 0's ranks only. ``fold``: simulate 3 and 4 of the model's
+    identical blocks and extrapolate (:mod:`torchweave.sim.fold`); None: for
+    graphs of ``FOLD_NODES`` nodes or more, when no ``programs`` are given.
+    Pipelined plans (``plan.pipeline``) use neither, and are simulated by
+    their schedule (:mod:`torchweave.sim.pipelined`). ``profiles``: measured op times
     (:mod:`torchweave.sim.profile`) used in place of the roofline where present.
     """
     if plan.world_size > cluster.size:
