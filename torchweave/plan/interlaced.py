@@ -18,7 +18,7 @@ from torchweave.plan.schedules import (
     Action, Kind, Schedule, ScheduleError, add_communication, dry_run, format_schedule,
     one_f_one_b,
 )
-from torchweave.plan.schedules.check import _match
+from torchweave.plan.schedules.check import _run
 
 ALL = -1
 
@@ -65,7 +65,7 @@ def check_shared(schedule: Schedule, stage_rank: list[int], micro: int) -> None:
             for c in add_communication({r: [Action(renum[a.stage], a.kind, a.micro)]}, sub_map)[r]:
                 row.append(Action(blocks[c.stage], c.kind, c.micro))
         full[r] = row
-    stuck = _run(full, shared)
+    stuck = _run(full, frozenset(shared))
     if stuck:
         raise ScheduleError(Problem(
             obj="schedule", value=", ".join(f"rank {r} at {full[r][s]}" for r, s in sorted(stuck.items())),
@@ -114,33 +114,3 @@ def _neighbours(schedule: Schedule, stage_rank: list[int], shared: set[int], mic
                         out.append(Problem(obj=f"rank {stage_rank[n]}", value=f"{b} before {a}",
                                            rule=f"stage {up} feeds stage {down}: {a} runs first"))
     return out
-
-
-def _run(schedule: Schedule, shared: set[int]) -> dict[int, int]:
-    """Run every rank as far as it can (sends buffered, shared actions as barriers)."""
-    pos = {r: 0 for r in schedule}
-    issued: set[tuple[Kind, int, int]] = set()
-
-    def at(r: int) -> Action | None:
-        return schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
-
-    progress = True
-    while progress:
-        progress = False
-        for r in schedule:
-            while (a := at(r)) is not None:
-                if a.stage in shared:
-                    if any(at(q) != a for q in schedule):
-                        break
-                    for q in schedule:
-                        pos[q] += 1
-                    progress = True
-                    continue
-                need = _match(a)
-                if need is not None and need not in issued:
-                    break
-                if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                    issued.add((a.kind, a.stage, a.micro))
-                pos[r] += 1
-                progress = True
-    return {r: p for r, p in pos.items() if p < len(schedule[r])}

@@ -161,16 +161,30 @@ def _match(a: Action) -> _Key | None:
     return None
 
 
-def _run(schedule: Schedule) -> dict[int, int]:
-    """Run every rank as far as it can; return rank -> step where it is stuck (empty: all finished)."""
+def _run(schedule: Schedule, shared: frozenset[int] = frozenset()) -> dict[int, int]:
+    """Run every rank as far as it can; return rank -> step where it is stuck (empty: all finished).
+
+    An action of a ``shared`` stage runs on every rank at once (a collective
+    over all devices): a rank waits at it until every rank is at it.
+    """
     pos = {rank: 0 for rank in schedule}
     issued: set[_Key] = set()
+
+    def at(rank: int) -> Action | None:
+        return schedule[rank][pos[rank]] if pos[rank] < len(schedule[rank]) else None
+
     progress = True
     while progress:
         progress = False
-        for rank, actions in schedule.items():
-            while pos[rank] < len(actions):
-                a = actions[pos[rank]]
+        for rank in schedule:
+            while (a := at(rank)) is not None:
+                if a.stage in shared:
+                    if any(at(q) != a for q in schedule):
+                        break
+                    for q in schedule:
+                        pos[q] += 1
+                    progress = True
+                    continue
                 need = _match(a)
                 if need is not None and need not in issued:
                     break
