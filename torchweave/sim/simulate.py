@@ -130,7 +130,7 @@ class SimResult:
             f"  step time      {self.step_time * 1e3:.4g} ms",
             f"  compute/rank   {sum(self.compute_time) / n * 1e3:.4g} ms (mean)",
             f"  comm/rank      {sum(self.comm_time) / n * 1e3:.4g} ms (mean)",
-            f"  idle           {self.bubble:.1%}",
+            f"  {'bubble' if self.pipeline_bubble is not None else 'idle':15s}{self.bubble:.1%}",
             f"  peak memory    {max(self.peak_memory) / GiB:.3g} GiB (max over ranks)",
             f"  MFU            {self.mfu:.1%}",
             f"  tokens/s       {self.tokens_per_s:,.0f}",
