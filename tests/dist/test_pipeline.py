@@ -108,3 +108,15 @@ def test_pipeline_4_ranks_matches_one_device(name: str, plan: str) -> None:
 @pytest.mark.parametrize("name,plan", CASES[8])
 def test_hybrid_pp_tp_dp_zero_8_ranks_matches_one_device(name: str, plan: str) -> None:
     _check(8, name, plan)
+
+
+@pytest.mark.dist
+def test_pipelines_in_bf16_train_close_to_fp32() -> None:
+    """bf16 compute, fp32 master weights: messages and their gradients travel in bf16."""
+    model, inputs = _batch8("llama-tiny")
+    bf16 = StepConfig(precision="bf16")
+    cases = [Case(model, inputs, plan, steps=2, config=bf16, name=f"{plan}/bf16")
+             for plan in ("1f1b", "interlaced")]
+    for report in verify_many(cases, world_size=2, tolerance=5e-2):
+        assert report.ok, str(report)
+        assert 0 < report.loss_diff, "bf16 compute should differ a little from fp32"

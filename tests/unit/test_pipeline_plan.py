@@ -221,3 +221,29 @@ def test_interlaced_plan_shares_embedding_and_head_across_all_devices() -> None:
         row[pipe.micro_batches:pipe.micro_batches] = head
     with pytest.raises(ScheduleError, match=r"deadlocks(.|\n)*\[5F0\](.|\n)*\[4RECV_F0\]"):
         check_shared(sched, pipe.stage_rank, pipe.micro_batches)
+
+
+def test_one_stage_pipeline_runs_in_process_and_matches_the_model(tmp_path) -> None:
+    """The executor on one device (no process group): micro-batches, F then B, the mean loss."""
+    from torchweave.runtime.executor import StepConfig
+    from torchweave.runtime.pipeline import PipelineModule
+
+    model, inputs = built("gpt-tiny")[:2]
+    graph = captured("gpt-tiny")  # batch 4: micro-batches of 2
+    plan = pipeline(graph, 1, schedule="gpipe", micro=2)
+    programs = lower(graph, plan)
+    (path,) = write(programs, str(tmp_path))
+    state = {k: v.detach() for k, v in state_of(model).items()}
+    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    with pytest.raises(TorchweaveError, match="takes its micro-batches from the plan"):
+        PipelineModule(programs[0], path, state, gc, config=StepConfig(grad_accum=2))
+    module = PipelineModule(programs[0], path, state, gc)
+    big = tuple(torch.cat([x, x]) for x in inputs)  # each micro-batch is the example batch
+    loss = module.backward_step(*big)
+    model.zero_grad()
+    want = model(*inputs)
+    want.backward()
+    assert abs(loss - float(want.detach())) < 1e-5
+    assert module.stats.peak_live == 2 and module.stats.wait_s == 0.0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(module.params[name].grad, p.grad, rtol=1e-5, atol=1e-7)

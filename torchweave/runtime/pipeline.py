@@ -258,6 +258,8 @@ class PipelineModule(RankModule):
     def _reported_loss(self) -> float:
         """The step's loss on every rank: each partial term counted once, from the last stage."""
         prog, world = self.program, self.program.world_size
+        if world == 1:
+            return self._loss
         buf = torch.zeros(2 * world, dtype=torch.float64, device=self.rt.device)
         if prog.loss is not None:
             index = prog.loss_partial[0]
