@@ -165,7 +165,7 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     (:mod:`torchweave.sim.profile`) used in place of the roofline where present.
     """
     if plan.world_size > cluster.size:
-        raise SimError(Problem(obj=f"plan {plan.name!r}", value=f"{plan.world_size} ranks",
+        raise SimError(Problem(obj=f"plan {plan.name!r} world_size", value=str(plan.world_size),
                                rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
                                fix=f"use a cluster of at least {plan.world_size} devices"))
     if plan.pipeline is not None:  # stages differ by construction: no folding, no replicas
