@@ -132,3 +132,22 @@ def test_pipelined_timeline_has_each_action_on_each_device() -> None:
     names = {(e.rank, e.name) for e in r.timeline}
     assert (0, "0F0") in names and (1, "1B3") in names
     assert {e["pid"] for e in to_chrome_trace(r)["traceEvents"] if e["ph"] == "X"} == {0, 1}
+
+
+def test_shared_stages_run_on_every_rank_at_once() -> None:
+    """Interlaced pipelines: the shared embedding and head stages are barriers."""
+    from tests.conftest import captured
+    from torchweave.policies import resolve
+    from torchweave.sim import parse_cluster, simulate
+
+    g = captured("gpt-tiny")
+    plan = resolve("interlaced", g, 2)
+    shared = set(plan.pipeline.shared)
+    assert shared
+    r = simulate(g, plan, parse_cluster("2xA100-80GB-SXM"))
+    starts: dict[str, set[float]] = {}
+    for e in r.timeline:
+        if int(e.name[0]) in shared:
+            starts.setdefault(e.name, set()).add(round(e.start, 12))
+    assert starts and all(len(s) == 1 for s in starts.values())
+    assert r.step_time > 0 and "interlaced" in r.notes[0]

@@ -11,7 +11,9 @@ stage and micro-batch, in each rank's order) with per-stage costs
   ``s+1`` (``B`` or ``I``), transferred back when on another rank;
 - ``W(s, m)`` after ``I(s, m)``.
 
-``B`` costs the stage's backward; split into ``I`` and ``W`` it costs
+An action that appears in several ranks' lists (a *shared* stage, run by
+every rank on its piece, as in interlaced pipelines) starts on all of them
+when the last one reaches it. ``B`` costs the stage's backward; split into ``I`` and ``W`` it costs
 ``1 - weight_share`` and ``weight_share`` of it. With ``recompute`` a stage
 keeps only its input per micro-batch and its backward (``B`` or ``I``) first
 reruns the forward.
@@ -25,6 +27,7 @@ the same stages compare by bubble and by memory.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -88,7 +91,11 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
     constant) is the time of one point-to-point message between ranks."""
     send = transfer if callable(transfer) else (lambda _n, t=float(transfer): t)
     compute = {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.items()}
-    rank_of = {a.stage: r for r, acts in compute.items() for a in acts}
+    owners = Counter((a.kind, a.stage, a.micro) for acts in compute.values() for a in acts)
+    rank_of: dict[int, int | None] = {}
+    for r, acts in compute.items():
+        for a in acts:  # a stage on several ranks (shared) has no single rank: None
+            rank_of[a.stage] = r if rank_of.get(a.stage, r) == r else None
     stages = max(rank_of, default=-1) + 1
     if len(costs) < stages:
         raise SimError(Problem(obj="pipeline costs", value=f"{len(costs)} stages",
@@ -106,8 +113,8 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
             if s == 0:
                 return 0.0
             t = end.get((Kind.F, s - 1, m))
-            hop = send(costs[s - 1].boundary) if rank_of[s - 1] != rank_of[s] else 0.0
-            return None if t is None else t + hop
+            apart = rank_of[s - 1] != rank_of[s] or rank_of[s] is None
+            return None if t is None else t + (send(costs[s - 1].boundary) if apart else 0.0)
         if a.kind is Kind.W:
             return end.get((Kind.I, s, m))
         t = end.get((Kind.F, s, m))
@@ -117,30 +124,48 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
             g = end.get(grad_key(s + 1, m))
             if g is None:
                 return None
-            hop = send(costs[s].boundary) if rank_of[s + 1] != rank_of[s] else 0.0
-            t = max(t, g + hop)
+            apart = rank_of[s + 1] != rank_of[s] or rank_of[s] is None
+            t = max(t, g + (send(costs[s].boundary) if apart else 0.0))
         return t
 
     clock = {r: 0.0 for r in compute}
     busy = {r: 0.0 for r in compute}
     done = {r: 0 for r in compute}
     events: list[tuple[int, float, float, Action]] = []
+    arrived: dict[tuple, dict[int, float]] = {}
+
+    def run_on(ranks: list[int], a: Action, start: float) -> None:
+        dur = _cost(a, costs[a.stage])
+        end[(a.kind, a.stage, a.micro)] = start + dur
+        for q in ranks:
+            clock[q] = start + dur
+            busy[q] += dur
+            events.append((q, start, start + dur, a))
+            done[q] += 1
+
     progress = True
     while progress:
         progress = False
         for r, acts in compute.items():
             while done[r] < len(acts):
                 a = acts[done[r]]
+                key = (a.kind, a.stage, a.micro)
                 t = ready(a)
                 if t is None:
                     break
-                start = max(clock[r], t)
-                dur = _cost(a, costs[a.stage])
-                clock[r] = end[(a.kind, a.stage, a.micro)] = start + dur
-                busy[r] += dur
-                events.append((r, start, start + dur, a))
-                done[r] += 1
-                progress = True
+                if owners[key] == 1:
+                    run_on([r], a, max(clock[r], t))
+                    progress = True
+                    continue
+                # A shared action runs on all its ranks at once, when the last one arrives.
+                waiting = arrived.setdefault(key, {})
+                if r not in waiting:
+                    waiting[r] = max(clock[r], t)
+                    progress = True
+                if len(waiting) < owners[key]:
+                    break
+                run_on(sorted(waiting), a, max(waiting.values()))
+                del arrived[key]
     if any(done[r] < len(acts) for r, acts in compute.items()):
         stuck = {r: str(acts[done[r]]) for r, acts in compute.items() if done[r] < len(acts)}
         raise SimError(Problem(obj="pipeline schedule", value=f"stuck at {stuck}",

@@ -37,7 +37,7 @@ def stage_costs(plan: Plan, tasks: dict[int, list[Task]], feet: dict[int, Footpr
     m = pipe.micro_batches
     out = []
     for s in range(pipe.stages):
-        group = pipe.groups[pipe.stage_rank[s]]
+        group = pipe.devices_of_stage(s)
         fwd = bwd = 0.0
         act = inp = 0.0
         for r in group:
@@ -49,7 +49,7 @@ def stage_costs(plan: Plan, tasks: dict[int, list[Task]], feet: dict[int, Footpr
             inp = max(inp, f.boundary.get(s, 0.0))
         nxt = 0.0
         if s + 1 < pipe.stages:
-            nxt = max(feet[r].boundary.get(s + 1, 0.0) for r in pipe.groups[pipe.stage_rank[s + 1]])
+            nxt = max(feet[r].boundary.get(s + 1, 0.0) for r in pipe.devices_of_stage(s + 1))
         out.append(StageCost(fwd=fwd / m, bwd=bwd / m, activations=int(act / m),
                              inputs=int(inp / m), boundary=int(nxt / m)))
     return out

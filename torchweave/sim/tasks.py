@@ -249,7 +249,7 @@ class Builder:
         stage = self.stage_of.get(ins.node if isinstance(ins, Compute) else ins.consumer, -1)
         if isinstance(ins, Comm) and isinstance(ins.step, steps.P2P) and stage >= 0:
             pipe = self.plan.pipeline
-            if not steps.devices_of(ins.step) <= set(pipe.groups[pipe.stage_rank[stage]]):
+            if not steps.devices_of(ins.step) <= set(pipe.devices_of_stage(stage)):
                 return -2
         return stage
 
