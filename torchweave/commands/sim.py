@@ -84,7 +84,10 @@ def _profiles(setup: Setup, console: Console):
     from torchweave.sim.profile import OpProfiles, profile_graph
 
     device = f"{setup.cluster.device.name} on this machine, 1 thread"
-    profiles = OpProfiles.load(PROFILE_CACHE, device=device)
+    # On a cluster calibrated here, ranks beyond the cores share them (as calibrate's rates do).
+    share = max(1.0, setup.plan.world_size / (os.cpu_count() or 1))
+    profiles = OpProfiles.load(PROFILE_CACHE, device=device,
+                               scale=share if setup.cluster.device.rates == "measured" else 1.0)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
