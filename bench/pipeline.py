@@ -1,12 +1,12 @@
-"""Pipeline schedules: torchweave's 1F1B and interleaved 1F1B beside torch.distributed.pipelining.
+"""Pipeline schedules: torchweave's GPipe, 1F1B and interleaved 1F1B beside torch.distributed.pipelining.
 
 Same model, same stages, same micro-batches, same weights and batch on both
 sides, on gloo, one torch thread per rank:
 
 - the model is a stack of residual MLP blocks (``BLOCKS`` x [Linear(D, H) ->
   GELU -> Linear(H, D)]) with loss ``out.pow(2).mean()``, input ``[BATCH, D]``;
-- ``1f1b``: one stage per rank (``BLOCKS / p`` blocks each), against
-  ``Schedule1F1B``; ``interleaved``: two stages per rank (stage ``s`` on rank
+- ``gpipe`` and ``1f1b``: one stage per rank (``BLOCKS / p`` blocks each),
+  against ``ScheduleGPipe`` and ``Schedule1F1B``; ``interleaved``: two stages per rank (stage ``s`` on rank
   ``s % p``), against ``ScheduleInterleaved1F1B``;
 - torchweave gets the whole model and a plan (``pipeline(...)`` cut at the same
   block boundaries); PyTorch gets the hand-cut stage modules.
@@ -18,8 +18,8 @@ backward at their peak, per rank. For torchweave the executor also measures,
 per rank, time blocked in receives; the bubble is ``1 − Σ busy / (p ×
 slowest rank's step)``, beside the textbook ``(p−1)/(m+p−1)`` (1F1B; for
 interleaved ``(p−1)/(v·m+p−1)``) and the unit-time simulation of the same
-schedule. Peak in-flight micro-batches per rank are set beside 1F1B's
-``p − r``.
+schedule. Peak in-flight micro-batches per rank are set beside the
+schedule's own count (GPipe: all ``m``; 1F1B: ``p − r``).
 
 Run: python bench/pipeline.py [--world-sizes 2 4] [--steps 6] [--micro 8]
 """
@@ -104,7 +104,9 @@ class _Held:
 
 
 def torch_side(ctx, schedule: str, micro: int):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+    )
 
     p, v = ctx.world_size, 2 if schedule == "interleaved" else 1
     model, x = make()
@@ -117,6 +119,8 @@ def torch_side(ctx, schedule: str, micro: int):
     loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
     if schedule == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn)
+    elif schedule == "gpipe":
+        sched = ScheduleGPipe(stages[0], micro, loss_fn=loss_fn)
     else:
         sched = Schedule1F1B(stages[0], micro, loss_fn=loss_fn)
     opt = OPTIMIZER(params)
@@ -193,11 +197,12 @@ def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[s
 
 def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> list[str]:
     from torchweave.plan.schedules import (
-        bubble_fraction, interleaved_1f1b, one_f_one_b, peak_in_flight,
+        bubble_fraction, gpipe, interleaved_1f1b, one_f_one_b, peak_in_flight,
     )
 
     v = 2 if schedule == "interleaved" else 1
-    sched = interleaved_1f1b(p, v, micro) if v > 1 else one_f_one_b(p, micro)
+    sched = (interleaved_1f1b(p, v, micro) if v > 1 else
+             gpipe(p, micro) if schedule == "gpipe" else one_f_one_b(p, micro))
     textbook = (p - 1) / (v * micro + p - 1)
     r0 = results[0]
     if any("error" in r0.get(k, {}) for k in ("tw", "torch")):
@@ -225,13 +230,13 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved"])
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     rows = ["| schedule | p | m | torchweave ms | torch.pipelining ms | ratio | bubble measured | "
-            "bubble textbook | peak in flight per rank (measured vs 1F1B schedule) | "
+            "bubble textbook | peak in flight per rank (measured vs schedule) | "
             "saved activations MB per rank (tw:torch) | losses |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in args.world_sizes:
