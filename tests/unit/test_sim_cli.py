@@ -135,3 +135,30 @@ def test_simulate_profile_times_ops_here_and_caches_them(tmp_path, monkeypatch, 
     assert "profiled" in out and "step time" in out and (tmp_path / "ops.json").is_file()
     assert main(["simulate", "gpt-tiny", "--cluster", "2xCPU-2core", "--profile"]) == 0
     assert "profiled 0 op pieces" in capsys.readouterr().out  # all cached
+
+
+def test_explain_folded_model_gives_every_block_its_communication() -> None:
+    """Blocks past the 4th are not simulated (sim/fold.py); their rows read block 3's times."""
+    import torch
+
+    import torchweave
+    from torchweave.commands.sim import Setup, explain_plan
+    from torchweave.models.gpt import GPT, GPTConfig
+    from torchweave.policies import resolve
+    from torchweave.sim import parse_cluster
+
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=20, n_head=4, d_model=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.empty(4, 32, dtype=torch.long)
+    g = torchweave.capture(model, (idx, idx))
+    assert len(g.nodes) >= 500  # folded automatically
+    ex = explain_plan(Setup(g, resolve("tp", g, 2), parse_cluster("2xA100-80GB-SXM"), None))
+    assert any("identical" in n for n in ex.result.notes)
+    by_block: dict[int, float] = {}
+    for row, node in zip(ex.rows, g.nodes):
+        if node.module.startswith("blocks.") and row.comm:
+            b = int(node.module.split(".")[1])
+            by_block[b] = by_block.get(b, 0.0) + row.comm_time
+    assert set(by_block) == set(range(20))
+    assert by_block[12] == pytest.approx(by_block[3]) and by_block[12] > 0

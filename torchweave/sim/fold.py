@@ -78,7 +78,7 @@ def find_blocks(graph: Graph, plan: Plan) -> Blocks | None:
     if len(spans) < 6:
         return None
     blocks = Blocks(prefix or "", tuple(spans))
-    where, users = _where(blocks, graph), _param_block(graph, blocks)
+    where, users = made_in(blocks, graph), _param_block(graph, blocks)
     sigs = [_signature(graph, plan, blocks, b, where, users) for b in range(len(spans))]
     if any(s is None for s in sigs) or any(s != sigs[1] for s in sigs[2:]):
         return None
@@ -87,7 +87,7 @@ def find_blocks(graph: Graph, plan: Plan) -> Blocks | None:
     return blocks if _suffix_reads_last(graph, blocks, where) else None
 
 
-def _where(blocks: Blocks, graph: Graph) -> dict[str, tuple[int, int, int]]:
+def made_in(blocks: Blocks, graph: Graph) -> dict[str, tuple[int, int, int]]:
     """Value → (block, position in block, output index) for values made in blocks."""
     out = {}
     for b, (s, e) in enumerate(blocks.spans):
@@ -219,4 +219,4 @@ def extrapolate(x3: float, x4: float, blocks: int) -> float:
     return x4 + (blocks - 4) * (x4 - x3)
 
 
-__all__ = ["Blocks", "cut", "extrapolate", "find_blocks"]
+__all__ = ["Blocks", "cut", "extrapolate", "find_blocks", "made_in"]
