@@ -105,6 +105,7 @@ class PipelineModule(RankModule):
         for action in self.program.actions:
             self.run(action)
             self.stats.peak_live = max(self.stats.peak_live, len(self._live))
+            self._drop_sent()
         for work, _ in self._pending:
             work.wait()
         self._pending = []
@@ -205,6 +206,16 @@ class PipelineModule(RankModule):
         self.rt.gc.counter.record(CommKind.P2P, direction, (self.rt.rank, dst),
                                   data.numel() * data.element_size())
         self._pending.append((dist.isend(data, dst, tag=tag), data))
+
+    def _drop_sent(self) -> None:
+        """Free the buffers of sends that have completed (the rest are waited on at the end)."""
+        left = []
+        for work, data in self._pending:
+            if work.is_completed():
+                work.wait()  # raises if the send failed
+            else:
+                left.append((work, data))
+        self._pending = left
 
     def _wait_for(self, buf: torch.Tensor, src: int, tag: int) -> None:
         if src == self.rt.rank:
