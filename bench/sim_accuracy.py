@@ -2,9 +2,9 @@
 
 1. Calibrate: ``torchweave calibrate`` (its functions) at each world size, so
    the cluster spec holds this machine's measured per-rank matmul rate, copy
-   bandwidth, gloo α-β and per-op dispatch overhead, for that many ranks on
-   these cores.
-2. Measure: for each plan (dp, zero1, zero2, zero3, tp, sp) one launch of N
+   bandwidth and gloo α-β, for that many ranks on these cores.
+2. Measure: for each plan (dp, zero1, zero2, zero3, tp, sp, and the pipelines
+   gpipe and 1f1b with one stage per rank) one launch of N
    gloo ranks (1 torch thread each) trains a GPT (d=256, 4 layers, 8 heads,
    vocab 4096, block 128, global batch 8 x 128; the workload of
    bench/parallel.py): 2 warm-up steps, then 5 timed ``train_step`` calls, each
@@ -14,8 +14,11 @@
    - *model state*: parameters, gradients and optimizer state held after
      backward (``module.params``, ZeRO's flat master and its gradient, AdamW
      state) — what ``tw_memory`` in bench/parallel.py counts;
-   - *activations*: the storages autograd saves for backward during one
-     forward (a ``saved_tensors_hooks`` pack hook; parameters excluded).
+   - *activations*: the most bytes of storages saved for backward alive at
+     once during one step (a ``saved_tensors_hooks`` pack hook that holds each
+     saved tensor in an object dying with it; parameters excluded); for plain
+     plans that is everything forward saves, for pipelines the micro-batches
+     in flight; under ZeRO-3 (its own hook) the distinct storages saved.
 
    The measured peak is state + activations; the simulated one is the same
    sum: ``params + grads + optimizer + activations`` of ``SimResult.memory``
@@ -45,6 +48,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import weakref
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -56,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from parallel import GPT_BATCH, GPT_KW, OPTIMIZER, make_gpt, tw_memory  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results-sim-accuracy.md")
-PLANS = ["dp", "zero1", "zero2", "zero3", "tp", "sp"]
+PLANS = ["dp", "zero1", "zero2", "zero3", "tp", "sp", "gpipe", "1f1b"]
 MiB = 2**20
 
 
@@ -135,15 +139,40 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int, profile) -> dict[str,
         module.opt.saved_tensor_hooks = composed
         module.backward_step(*batch)
     else:
+        # Saved storages alive at once, at the peak: each saved tensor is held by a
+        # small object whose life is the saved tensor's (pipelines free a micro-batch's
+        # activations before the next ones are saved).
+        live: dict[int, int] = {}
+        peak = [0]
+
+        def release(ptr: int) -> None:
+            live[ptr] -= 1
+
         def pack(t):
             record(t)
-            return t
+            held = _Held(t)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                if live.get(ptr, 0) == 0:
+                    live[ptr] = 0
+                live[ptr] += 1
+                weakref.finalize(held, release, ptr)
+                peak[0] = max(peak[0], sum(seen[q] for q, n in live.items() if n > 0))
+            return held
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
             module.backward_step(*batch)
+        seen = {0: peak[0]}
     state = tw_memory(module)
     module.optimizer_step()
     return {"s": statistics.median(times), "state": state, "act": sum(seen.values())}
+
+
+class _Held:
+    """A saved tensor, in an object that dies when autograd drops it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
 
 
 def _profiler(ctx, plan: str, passes: list[dict]):
