@@ -94,7 +94,8 @@ def reduce_plan(plan: Plan, rep: Replicas, keep: int = 2) -> Plan:
         mesh = (Mesh(((mesh.axes[0][0], keep), *mesh.axes[1:])) if mesh.axes[0][1] == rep.count
                 else None)
     out = Plan(world_size=keep * rep.size, name=plan.name, mesh=mesh, zero=plan.zero,
-               zero_axis=plan.zero_axis, notes=dict(plan.notes))
+               zero_axis=plan.zero_axis, notes=dict(plan.notes),
+               recompute=[tuple(g) for g in plan.recompute])
     for node, trans in plan.trans.items():
         out.trans[node] = [replace(trans[0], parts=keep), *trans[1:]]
         devs = plan.assignment[node]
