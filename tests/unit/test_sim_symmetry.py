@@ -131,3 +131,12 @@ def test_recompute_folds_only_when_every_block_is_recomputed() -> None:
     assert find_blocks(g, plan) is not None
     cluster = parse_cluster("2xA100-80GB-SXM")
     _same(simulate(g, plan, cluster, fold=True), simulate(g, plan, cluster, fold=False))
+
+
+def test_one_replica_with_recompute_simulates_like_all_ranks() -> None:
+    g = captured("gpt-tiny")
+    plan = resolve("dp", g, 4)
+    plan.recompute = [tuple(n.name for n in g.nodes if n.module.startswith(f"blocks.{b}."))
+                      for b in range(2)]
+    cluster = parse_cluster("4xA100-80GB-SXM@2")
+    _same(simulate(g, plan, cluster, symmetry=True), simulate(g, plan, cluster, symmetry=False))
