@@ -67,7 +67,8 @@ CASES = {
         ("llama-tiny", "1f1b")],
     4: [("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "1f1b:tp=2"), ("gpt-tiny", "gpipe:dp=2,zero=1"), ("llama-tiny", "interlaced")],
-    8: [("gpt-tiny", "1f1b:dp=2,tp=2,zero=1"), ("llama-tiny", "interleaved:dp=2,tp=2,zero=2")],
+    8: [("gpt-tiny", "1f1b:dp=2,tp=2,zero=1"), ("llama-tiny", "interleaved:dp=2,tp=2,zero=2"),
+        ("gpt-tiny", "zb:dp=2,tp=2,zero=1")],
 }
 SPECIAL = {"mid-block": _mid_block_cuts, "recompute": _recompute, "1f1b+clip": "1f1b",
            "coshard": _coshard, "orders": _orders}

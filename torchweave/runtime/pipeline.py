@@ -10,9 +10,9 @@
   from the loss term on the last stage), send the gradients of what ``F``
   received.
 - ``I`` then ``W`` (zero-bubble): ``I`` runs backward to the stage's inputs
-  only (keeping the graph) and sends their gradients; ``W`` later runs it to
-  the parameters. ``W`` walks the activation-gradient chain again, so it costs
-  about what ``B`` does; the order, not the arithmetic, is what ZB-H1 changes.
+  only and sends their gradients; ``W`` later computes the parameters'
+  gradients from what ``I`` kept at the ops that read them
+  (:mod:`torchweave.runtime.zb`).
 
 After the last action, gradients are summed over their groups, ZeRO shards
 them, and clipping and the optimizer step follow, all as in
@@ -33,6 +33,7 @@ from torchweave.lower.program import Boundary, Segment
 from torchweave.plan.schedules import Action, Kind
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
+from torchweave.runtime.zb import SplitBackward
 
 _FWD, _BWD = 0, 1
 _TAG_TRANSFERS = 4096
@@ -58,6 +59,7 @@ class _Live:
     tokens: list[torch.Tensor] = field(default_factory=list)
     roots: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
+    split: SplitBackward | None = None
 
 
 @dataclass
@@ -172,14 +174,13 @@ class PipelineModule(RankModule):
                     roots.append(live.outputs[name])
                     grads.append(g)
         leaves = [t for t in live.leaves.values() if t.requires_grad]
-        if live.roots:
-            if to_inputs and to_params:
+        if to_inputs and to_params:
+            if live.roots:
                 torch.autograd.backward(live.roots, live.grads)
-            elif to_inputs and leaves:
-                torch.autograd.backward(live.roots, live.grads, inputs=leaves, retain_graph=True)
-            elif to_params:
-                params = [p for p, _ in self.trainable]
-                torch.autograd.backward(live.roots, live.grads, inputs=params)
+        elif to_inputs:  # I: input gradients now, weight gradients kept for W
+            live.split = SplitBackward(live.roots, live.grads, leaves, [p for p, _ in self.trainable])
+        elif live.split is not None:
+            live.split.weights()
         if to_inputs:
             for bd in seg.recvs:
                 leaf = live.leaves[bd.key]

@@ -1,0 +1,66 @@
+"""Zero-bubble's split backward: I gives the input gradients only, W the weight gradients after."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from torchweave.runtime.zb import SplitBackward
+
+
+def _stage(x, w1, b1, w2, table):
+    h = F.gelu(F.linear(x, w1, b1))
+    out = F.linear(h, w2.to(torch.float64).to(torch.float32))  # a cast between weight and op
+    side = table.pow(2).sum()  # a root branch that never reaches the input
+    return out, side
+
+
+def test_input_gradients_first_weight_gradients_later_same_numbers() -> None:
+    torch.manual_seed(0)
+    params = [torch.randn(32, 16, requires_grad=True), torch.randn(32, requires_grad=True),
+              torch.randn(8, 32, requires_grad=True), torch.randn(5, requires_grad=True)]
+    x = torch.randn(4, 16, requires_grad=True)
+    g_out = torch.randn(4, 8)
+    out, side = _stage(x, *params)
+    torch.autograd.backward([out, side], [g_out, torch.ones(())])
+    want_x, want = x.grad.clone(), [p.grad.clone() for p in params]
+    for t in [x, *params]:
+        t.grad = None
+
+    out, side = _stage(x, *params)
+    split = SplitBackward([out, side], [g_out, torch.ones(())], [x], params)
+    torch.testing.assert_close(x.grad, want_x)
+    assert all(p.grad is None for p in params), "I computes no weight gradient"
+    assert len(split.frontier) >= 2  # the two linear layers (and the bias add)
+    split.weights()
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w)
+
+
+def test_a_stage_without_inputs_does_everything_in_w() -> None:
+    w = torch.randn(3, 3, requires_grad=True)
+    y = (w @ w).sum()
+    split = SplitBackward([y], [torch.ones(())], [], [w])
+    assert w.grad is None
+    split.weights()
+    torch.testing.assert_close(w.grad, (torch.ones(3, 3) @ w.T + w.T @ torch.ones(3, 3)))
+
+
+def test_a_weight_read_twice_on_and_off_the_input_path() -> None:
+    """A tied table: looked up (off the input path) and used as the head (on it)."""
+    torch.manual_seed(0)
+    table = torch.randn(10, 6, requires_grad=True)
+    x = torch.randn(3, 6, requires_grad=True)
+    idx = torch.tensor([1, 4, 7])
+    g = torch.randn(3, 10)
+
+    def stage():
+        return (x + F.embedding(idx, table)) @ table.t()
+
+    torch.autograd.backward([stage()], [g])
+    want_x, want = x.grad.clone(), table.grad.clone()
+    x.grad = table.grad = None
+    split = SplitBackward([stage()], [g], [x], [table])
+    torch.testing.assert_close(x.grad, want_x)
+    split.weights()
+    torch.testing.assert_close(table.grad, want)

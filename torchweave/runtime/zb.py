@@ -1,0 +1,122 @@
+"""Backward split in two, for zero-bubble schedules: input gradients now, weight gradients later.
+
+``I`` runs backward from the stage's roots to its inputs only. On the way it
+passes every *frontier* node: a node on a path to the inputs with an edge
+that leads only to parameters (a matmul, whose weight gradient is not needed
+yet). A hook keeps the gradient each frontier node receives. ``W`` then runs
+backward from those nodes, with those gradients, to the parameters: the
+weight gradients, and nothing on the input path is computed twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+
+def _grad_node(t: torch.Tensor) -> Any:
+    """The autograd node of ``t``; for a leaf, its AccumulateGrad node."""
+    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+
+class SplitBackward:
+    """``I`` at construction; :meth:`weights` is ``W``."""
+
+    def __init__(self, roots: list[torch.Tensor], grads: list[torch.Tensor],
+                 inputs: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        to_input = {_grad_node(t) for t in inputs}
+        to_param = {_grad_node(p) for p in self.params}
+        reach_in: dict[Any, bool] = {}
+        reach_param: dict[Any, bool] = {}
+
+        def walk(node: Any) -> None:
+            stack = [(node, False)]
+            while stack:
+                n, done = stack.pop()
+                if n in reach_in and not done:
+                    continue
+                children = [c for c, _ in n.next_functions if c is not None]
+                if not done:
+                    reach_in.setdefault(n, n in to_input)
+                    reach_param.setdefault(n, n in to_param)
+                    stack.append((n, True))
+                    stack.extend((c, False) for c in children if c not in reach_in)
+                    continue
+                reach_in[n] = n in to_input or any(reach_in[c] for c in children)
+                reach_param[n] = n in to_param or any(reach_param[c] for c in children)
+
+        nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
+        for n in nodes:
+            walk(n)
+        self.frontier = [n for n in reach_in if reach_in[n] and n not in to_input and any(
+            c is not None and reach_param[c] and not reach_in[c] for c, _ in n.next_functions)]
+        # each frontier node's edges to parameters only: W's backward goes down these alone
+        leaf_of = {_grad_node(p): p for p in self.params}
+        self.edges = {n: [leaf_of.get(c, GradientEdge(c, nr)) for c, nr in n.next_functions
+                          if c is not None and reach_param[c] and not reach_in[c]]
+                      for n in self.frontier}
+        # roots that never reach an input: their whole backward is weight gradient
+        late = [r.grad_fn is None or not reach_in.get(r.grad_fn, False) for r in roots]
+        self.later = [(r, g) for r, g, x in zip(roots, grads, late) if x]
+        self.captured: dict[Any, tuple] = {}
+
+        def keep(node: Any):
+            def hook(grad_outputs: tuple) -> None:
+                # a copy: the engine may reuse these buffers once the node has run
+                self.captured[node] = tuple(None if g is None else g.clone() for g in grad_outputs)
+            return hook
+
+        handles = [n.register_prehook(keep(n)) for n in self.frontier]
+        now = [(r, g) for r, g, x in zip(roots, grads, late) if not x]
+        try:
+            if now and inputs:  # the graph is kept for W
+                torch.autograd.backward([r for r, _ in now], [g for _, g in now], inputs=inputs,
+                                        retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def weights(self) -> None:
+        """Accumulate the parameters' gradients (``W``).
+
+        First, from each frontier node, the gradients of its parameter-only
+        edges (not through its other inputs, which ``I`` covered); then from
+        those edges (and roots that reach no input) down to the parameters.
+        """
+        outs: list[Any] = []
+        grads: list[torch.Tensor] = []
+        for node, gs in self.captured.items():
+            seeds = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
+            edges = self.edges[node]
+            if not seeds or not edges:
+                continue
+            found = torch.autograd.grad([e for e, _ in seeds], edges, [g for _, g in seeds],
+                                        allow_unused=True, retain_graph=True)
+            for edge, g in zip(edges, found):
+                if g is None:
+                    continue
+                if isinstance(edge, torch.Tensor):
+                    _accumulate(edge, g)
+                else:
+                    outs.append(edge)
+                    grads.append(g)
+        for r, g in self.later:
+            outs.append(r)
+            grads.append(g)
+        self.captured.clear()
+        if not outs or not self.params:
+            return
+        found = torch.autograd.grad(outs, self.params, grads, allow_unused=True)
+        for p, g in zip(self.params, found):
+            if g is not None:
+                _accumulate(p, g)
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g.detach().clone()
+    else:
+        p.grad.add_(g)
