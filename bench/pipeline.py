@@ -18,7 +18,9 @@ backward at their peak, per rank. For torchweave the executor also measures,
 per rank, time blocked in receives; the bubble is ``1 − Σ busy / (p ×
 slowest rank's step)``, beside the textbook ``(p−1)/(m+p−1)`` (1F1B; for
 interleaved ``(p−1)/(v·m+p−1)``) and the unit-time simulation of the same
-schedule. Peak in-flight micro-batches per rank are set beside the
+schedule. ``zb`` (ZB-H1) runs on torchweave alone (PyTorch's zero-bubble
+schedules need two stages per rank), beside 1F1B's textbook bubble and its
+own unit-time simulation. Peak in-flight micro-batches per rank are set beside the
 schedule's own count (GPipe: all ``m``; 1F1B: ``p − r``).
 
 Run: python bench/pipeline.py [--world-sizes 2 4] [--steps 6] [--micro 8]
@@ -41,6 +43,8 @@ import torch.nn.functional as F
 
 BLOCKS, D, H, BATCH, SEED = 8, 512, 2048, 128, 0
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
+PEERS = ("gpipe", "1f1b", "interleaved")
+"""Schedules with a torch.distributed.pipelining peer on the same stages (ZB-H1 has none)."""
 
 
 class Block(nn.Module):
@@ -162,7 +166,8 @@ def tw_side(ctx, schedule: str, micro: int):
 
 def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[str, Any]:
     sides, out = {}, {}
-    for name, setup in (("torch", torch_side), ("tw", tw_side)):
+    peers = [("torch", torch_side)] if schedule in PEERS else []  # zb: torchweave alone
+    for name, setup in peers + [("tw", tw_side)]:
         try:
             sides[name] = setup(ctx, schedule, micro)
         except Exception as e:  # noqa: BLE001 - reported in the table
@@ -197,17 +202,22 @@ def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[s
 
 def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> list[str]:
     from torchweave.plan.schedules import (
-        bubble_fraction, gpipe, interleaved_1f1b, one_f_one_b, peak_in_flight,
+        bubble_fraction, gpipe, interleaved_1f1b, one_f_one_b, peak_in_flight, zero_bubble_h1,
     )
 
     v = 2 if schedule == "interleaved" else 1
-    sched = (interleaved_1f1b(p, v, micro) if v > 1 else
-             gpipe(p, micro) if schedule == "gpipe" else one_f_one_b(p, micro))
+    sched = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble_h1}.get(
+        schedule, lambda p, m: interleaved_1f1b(p, v, m))(p, micro)
     textbook = (p - 1) / (v * micro + p - 1)
     r0 = results[0]
-    if any("error" in r0.get(k, {}) for k in ("tw", "torch")):
+    sides = ("tw", "torch") if schedule in PEERS else ("tw",)
+    if any("error" in r0.get(k, {}) for k in sides):
         return [f"| {schedule} | {p} | {micro} | " + " / ".join(
-            r0[k].get("error", "ok") for k in ("tw", "torch")) + " | | | | | |"]
+            r0[k].get("error", "ok") for k in sides) + " | | | | | |"]
+    if schedule not in PEERS:  # no peer: 1F1B's textbook bubble, for comparison
+        for r in results:
+            r["torch"] = {"ms": float("nan"), "saved_mb": float("nan"), "losses": r["tw"]["losses"]}
+        textbook = (p - 1) / (micro + p - 1)
     ratio = r0["tw"]["ms"] / r0["torch"]["ms"]
     per_step = list(zip(*[r["tw"]["stats"] for r in results]))  # steps × ranks
     bubbles = []
@@ -219,10 +229,11 @@ def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> 
     mem = " / ".join(f"{r['tw']['saved_mb']:.1f}:{r['torch']['saved_mb']:.1f}" for r in results)
     loss_ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in
                   zip(results[-1]["tw"]["losses"], results[-1]["torch"]["losses"]))
-    return [f"| {schedule} | {p} | {micro} | {r0['tw']['ms']:.0f} | {r0['torch']['ms']:.0f} | "
-            f"{ratio:.2f}x | {statistics.median(bubbles):.2f} | {textbook:.2f} "
-            f"(sim {bubble_fraction(sched):.2f}) | {live} vs {book_live} | {mem} | "
-            f"{'same' if loss_ok else 'DIFFER'} |"]
+    row = (f"| {schedule} | {p} | {micro} | {r0['tw']['ms']:.0f} | {r0['torch']['ms']:.0f} | "
+           f"{ratio:.2f}x | {statistics.median(bubbles):.2f} | {textbook:.2f} "
+           f"(sim {bubble_fraction(sched):.2f}) | {live} vs {book_live} | {mem} | "
+           f"{'same' if loss_ok else 'DIFFER'} |")
+    return [row.replace("nanx", "—").replace(":nan", "").replace("| nan |", "| — |")]
 
 
 def main() -> None:
@@ -230,7 +241,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb"])
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
