@@ -233,7 +233,10 @@ def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> 
            f"{ratio:.2f}x | {statistics.median(bubbles):.2f} | {textbook:.2f} "
            f"(sim {bubble_fraction(sched):.2f}) | {live} vs {book_live} | {mem} | "
            f"{'same' if loss_ok else 'DIFFER'} |")
-    return [row.replace("nanx", "—").replace(":nan", "").replace("| nan |", "| — |")]
+    if schedule not in PEERS:
+        row = row.replace("nanx", "—").replace(":nan", "").replace("| nan |", "| — |")
+        row = row[:row.rstrip(" |").rfind("|")] + "| — |"
+    return [row]
 
 
 def main() -> None:
