@@ -155,6 +155,7 @@ def test_a_failed_checkpoint_write_is_logged_and_training_goes_on(tmp_path: Path
         signal.signal(signal.SIGXFSZ, old)
     assert sorted(second.losses) == [4, 5, 6]  # it trained on after the failures
     assert second.failed_saves == 2 and second.checkpoint is None
+    assert second.weights is None  # the export at the end failed too, and was logged
     shown = capfd.readouterr().out  # rank 0 prints to the terminal it inherited
     assert "checkpoint at step 4 failed" in shown and "last good checkpoint is kept" in shown
     assert "Errno 27" in shown  # EFBIG: the write itself failed

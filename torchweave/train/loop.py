@@ -129,6 +129,7 @@ class Trainer:
         self.skipped = 0
         self.bad_in_row = 0
         self.resumed_from: str | None = None
+        self._log: MetricsLog | None = None
 
     def _example(self) -> tuple[torch.Tensor, ...]:
         """A global batch of the right shapes (the first one), without moving the sampler."""
@@ -234,6 +235,7 @@ class Trainer:
         finally:
             if view is not None:
                 view.close()
+        self._log = log
         result.weights = self._export()
         result.skipped = self.skipped
         steady = times[1:] or times
@@ -273,8 +275,19 @@ class Trainer:
             if len(names) > 1:
                 aliases[src] = [n for n in names if n != src]
         path = self.run_dir / "model.safetensors"
-        export_safetensors(everyone, shapes, path, aliases=aliases)
+        try:
+            export_safetensors(everyone, shapes, path, aliases=aliases)
+        except Exception as e:  # noqa: BLE001 - a full disk, say (SafetensorError): keep the run
+            Path(f"{path}.tmp").unlink(missing_ok=True)
+            self._log_failure("export_failed", f"exporting {path} failed (the checkpoints hold "
+                                               f"the weights): {type(e).__name__}: {e}")
+            return None
         return str(path)
+
+    def _log_failure(self, event: str, message: str) -> None:
+        if self._log is not None:
+            self._log.event(event, step=self.step, error=message)
+        self.console.print(f"[yellow]{message}[/]")
 
     def _one_step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, float, bool]:
         """Forward, backward, norm; the update only when both loss and norm are finite."""
