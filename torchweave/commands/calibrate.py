@@ -17,17 +17,7 @@ import torch
 from rich.console import Console
 
 from torchweave.errors import Problem, TorchweaveError
-
-
-
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm up
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+from torchweave.sim.profile import median_time
 
 
 def measure_matmul(sizes: list[int], reps: int = 3) -> float:
@@ -35,7 +25,7 @@ def measure_matmul(sizes: list[int], reps: int = 3) -> float:
     best = 0.0
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        t = _median_time(lambda: torch.mm(a, b), reps)
+        t = median_time(lambda: torch.mm(a, b), reps, warmup=True)
         best = max(best, 2 * n**3 / t)
     return best
 
@@ -44,7 +34,7 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 3) -> float:
     """Bytes/s of a large copy (read + write)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), reps)
+    t = median_time(lambda: dst.copy_(src), reps, warmup=True)
     return 2 * nbytes / t
 
 

@@ -160,7 +160,10 @@ def _resolve(fn: str) -> Any:
     return resolve_target(fn)
 
 
-def _median(fn, reps: int) -> float:
+def median_time(fn, reps: int, *, warmup: bool = False) -> float:
+    """Median wall time of ``reps`` calls of ``fn`` (after one untimed call with ``warmup``)."""
+    if warmup:
+        fn()
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -185,7 +188,7 @@ def time_call(call: _Call, reps: int) -> tuple[float, float]:
         return f(*args, **kwargs)
 
     fwd()  # with autograd recording, as in training
-    t_fwd = _median(fwd, reps)
+    t_fwd = median_time(fwd, reps)
     floats = [t for t in tensors if t.requires_grad]
     out = fwd()
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
@@ -251,7 +254,7 @@ def profile_optimizer(numels: list[int], profiles: OpProfiles, *, reps: int = 5)
         p.grad = torch.randn(p.numel())
     opt = torch.optim.AdamW(params, lr=1e-3)
     opt.step()
-    profiles.table[key] = (_median(opt.step, reps), 0.0)
+    profiles.table[key] = (median_time(opt.step, reps), 0.0)
     return True
 
 
@@ -270,7 +273,7 @@ def profile_sync(profiles: OpProfiles, *, ranks: int, all_reduce, segment: float
     for the last; a calibration with idle ranks does not see it. Stored as
     ``(seconds, 0)`` under :func:`sync_key`; the simulator adds it to every collective."""
     a = torch.randn(128, 128)
-    t_one = _median(lambda: a @ a, 5)
+    t_one = median_time(lambda: a @ a, 5)
     n = max(1, int(segment / max(t_one, 1e-7)))
     x = torch.ones(1)
 
@@ -283,9 +286,9 @@ def profile_sync(profiles: OpProfiles, *, ranks: int, all_reduce, segment: float
         all_reduce(x)
 
     all_reduce(x)
-    t_c = _median(compute, reps)
-    t_r = _median(lambda: all_reduce(x), reps)
-    extra = max(0.0, _median(both, reps) - t_c - t_r)
+    t_c = median_time(compute, reps)
+    t_r = median_time(lambda: all_reduce(x), reps)
+    extra = max(0.0, median_time(both, reps) - t_c - t_r)
     profiles.table[sync_key(ranks)] = (extra, 0.0)
     return extra
 
