@@ -21,6 +21,7 @@ from torchweave.plan.schedules import (
 from torchweave.plan.schedules.check import _run
 
 ALL = -1
+"""``stage_rank`` of a shared stage: it runs on every pipeline rank, over all devices."""
 
 
 def interlaced_1f1b(ranks: int, micro: int) -> Schedule:

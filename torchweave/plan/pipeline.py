@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchweave.errors import Problem
+from torchweave.plan.interlaced import ALL, check_shared
 from torchweave.plan.schedules import (
     Action, Schedule, ScheduleError, add_communication, dry_run, format_schedule,
 )
 
 Group = tuple[int, ...]
-ALL = -1
-"""``stage_rank`` of a shared stage: it runs on every pipeline rank, over all devices."""
 
 
 @dataclass(kw_only=True)
@@ -161,8 +160,6 @@ def check_pipeline(pipe: Pipeline, *, world_size: int, nodes: dict[str, Any],
 def check_schedule(pipe: Pipeline) -> None:
     """Dry-run the schedule over every pipeline rank; raise :class:`ScheduleError` with the grid."""
     if pipe.shared:
-        from torchweave.plan.interlaced import check_shared
-
         check_shared(pipe.schedule, pipe.stage_rank, pipe.micro_batches)
         return
     stage_to_rank = dict(enumerate(pipe.stage_rank))
