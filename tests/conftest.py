@@ -37,3 +37,13 @@ def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def pytest_addoption(parser) -> None:
     parser.addoption("--random-plans", type=int, default=30,
                      help="how many seeded random plans the random-plan test verifies")
+
+
+def assert_grads_match_model(module, model: torch.nn.Module, inputs, loss: float) -> None:
+    """``module``'s loss and every gradient equal the model's own on ``inputs`` (one device)."""
+    model.zero_grad()
+    want = model(*inputs)
+    want.backward()
+    assert abs(loss - float(want.detach())) < 1e-5
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(module.params[name].grad, p.grad, rtol=1e-5, atol=1e-7)

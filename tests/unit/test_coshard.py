@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.conftest import built, captured, state_of
+from tests.conftest import assert_grads_match_model, built, captured, state_of
 from torchweave.api import capture
 from torchweave.codegen.render import render, write
 from torchweave.errors import TorchweaveError
@@ -103,13 +103,7 @@ def test_coshard_code_runs_each_piece_under_its_own_recompute(tmp_path) -> None:
     model, inputs = built("gpt-tiny")[:2]
     state = {k: v.detach() for k, v in state_of(model).items()}
     module = _module(graph, plan, state, tmp_path, "gpt")
-    loss = module.backward_step(*inputs)
-    model.zero_grad()
-    want = model(*inputs)
-    want.backward()
-    assert abs(loss - float(want.detach())) < 1e-5
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(module.params[name].grad, p.grad, rtol=1e-5, atol=1e-7)
+    assert_grads_match_model(module, model, inputs, module.backward_step(*inputs))
 
 
 def test_bad_coshard_is_rejected_before_launch() -> None:
