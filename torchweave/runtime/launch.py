@@ -182,8 +182,27 @@ def init_from_env(config: LaunchConfig) -> RankContext:
         raise LaunchError(Problem(obj="LaunchConfig.world_size", value=str(config.world_size),
                                   rule=f"must equal torchrun's WORLD_SIZE ({world_size})",
                                   fix=f"set world_size={world_size}"))
-    return _init_rank(rank=int(env["RANK"]), local_rank=int(env["LOCAL_RANK"]), config=config,
-                      backend=config.resolved_backend(), store=None)
+    rank = int(env["RANK"])
+    return _init_rank(rank=rank, local_rank=int(env["LOCAL_RANK"]), config=config,
+                      backend=config.resolved_backend(), store=_attempt_store(rank, world_size,
+                                                                              config))
+
+
+def _attempt_store(rank: int, world_size: int, config: LaunchConfig) -> dist.Store | None:
+    """After a torchrun restart, a store whose keys belong to this attempt only.
+
+    Without it, a restarted group could read the previous attempt's addresses
+    (seen here as gloo's ``connectFullMesh ... Connection refused`` right after
+    a rank was killed and the job restarted).
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None  # plain env:// rendezvous
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent and rank == 0,
+                          timeout=timedelta(seconds=config.timeout_s))
+    return dist.PrefixStore(f"torchweave/attempt{restart}", store)
 
 
 def _init_rank(*, rank: int, local_rank: int, config: LaunchConfig, backend: str,
