@@ -29,7 +29,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+from mlp import ResidualMLP  # bench/mlp.py (the script's folder is on sys.path)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results-parallel.md")
 
@@ -52,29 +51,6 @@ SEED = 0
 
 # AdamW with torch's defaults otherwise (weight_decay=0.01); the same factory on both sides.
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
-
-
-class MLPBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(MLP_DIM, MLP_HIDDEN)
-        self.fc2 = nn.Linear(MLP_HIDDEN, MLP_DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(x)))
-
-
-class MLPStack(nn.Module):
-    """Residual MLP blocks; ``forward(x)`` returns the scalar loss ``out.pow(2).mean()``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(MLPBlock() for _ in range(MLP_BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
 
 
 def make_gpt() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -90,7 +66,7 @@ def make_gpt() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 
 def make_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
     torch.manual_seed(SEED)
-    model = MLPStack()
+    model = ResidualMLP(MLP_DIM, MLP_HIDDEN, MLP_BLOCKS)
     x = torch.randn(MLP_BATCH, MLP_DIM, generator=torch.Generator().manual_seed(SEED))
     return model, (x,)
 

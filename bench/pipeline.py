@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+from mlp import ResidualMLP  # bench/mlp.py (the script's folder is on sys.path)
 
 BLOCKS, D, H, BATCH, SEED = 8, 512, 2048, 128, 0
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -47,29 +47,9 @@ PEERS = ("gpipe", "1f1b", "interleaved")
 """Schedules with a torch.distributed.pipelining peer on the same stages (ZB-H1 has none)."""
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x.pow(2).mean()
-
-
-def make() -> tuple[Stack, torch.Tensor]:
+def make() -> tuple[ResidualMLP, torch.Tensor]:
     torch.manual_seed(SEED)
-    return Stack(), torch.randn(BATCH, D, generator=torch.Generator().manual_seed(SEED))
+    return ResidualMLP(D, H, BLOCKS), torch.randn(BATCH, D, generator=torch.Generator().manual_seed(SEED))
 
 
 def stages_of(rank: int, p: int, v: int) -> list[int]:

@@ -1,0 +1,31 @@
+"""The residual MLP stack two benchmarks share (tensor parallelism, pipelines)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    """``x + fc2(gelu(fc1(x)))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class ResidualMLP(nn.Module):
+    """``blocks`` residual MLP blocks; ``forward(x)`` returns the loss ``out.pow(2).mean()``."""
+
+    def __init__(self, dim: int, hidden: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
