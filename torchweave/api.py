@@ -22,7 +22,13 @@ def capture(
 
     Works on real tensors, and on meta tensors for models too large to
     allocate: build the model and inputs under ``with torch.device("meta"):``.
+    A model that recycles declares ``recycle = {input: module}`` (see
+    :mod:`torchweave.plan.recycle`); it is kept in ``graph.meta["recycle"]``.
     """
     graph = _capture(model, example_inputs, example_kwargs, name=name)
     annotate(graph)
+    recycle = getattr(model, "recycle", None)
+    if isinstance(recycle, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                         for k, v in recycle.items()):
+        graph.meta["recycle"] = dict(recycle)
     return graph

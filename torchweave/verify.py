@@ -3,7 +3,8 @@
 Both runs start from the same weights and see the same batch every step. The
 report holds the largest relative difference in the loss of every step, in
 every gradient after the first backward (gathered from its pieces), and in
-every parameter after the last optimizer step.
+every parameter after the last optimizer step. A multi-forward plan is
+compared with the one-device recycling loop (:func:`recycled_forward`).
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
         config = case.config
         if comp.plan.pipeline is not None:  # one device runs the same micro-batches
             config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
-        ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config)
+        ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config,
+                         _recycle_of(comp))
         report.comm = per_rank[0]["comm"]
         report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
         shapes = {p.target: p.meta.shape for p in comp.graph.params()}
@@ -234,9 +236,40 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
         report.params[path] = _rel_tensor(got, want)
 
 
+def recycled_forward(model: torch.nn.Module, inputs: tuple, passes: int,
+                     links: dict[int, str]) -> torch.Tensor:
+    """The one-device multi-forward loop: ``passes - 1`` passes without gradients, each
+    replacing input ``i`` by the (detached) output of module ``links[i]``; then the loss
+    of the pass with gradients."""
+    inputs, got = list(inputs), {}
+    hooks = [model.get_submodule(path).register_forward_hook(
+        lambda _mod, _args, out, i=i: got.__setitem__(i, out)) for i, path in links.items()]
+    try:
+        with torch.no_grad():
+            for _ in range(passes - 1):
+                model(*inputs)
+                for i in links:
+                    inputs[i] = got[i].detach()
+    finally:
+        for h in hooks:
+            h.remove()
+    return model(*inputs)
+
+
+def _recycle_of(comp: Compiled) -> tuple[int, dict[int, str]] | None:
+    """(passes, input position → module) of a multi-forward plan."""
+    from torchweave.plan.recycle import resolve_links
+
+    pipe = comp.plan.pipeline
+    if pipe is None or pipe.recycle is None:
+        return None
+    links, _ = resolve_links(comp.graph, pipe.recycle)
+    return pipe.recycle.passes, {link.index: out for link, (_, out) in zip(links, pipe.recycle.links)}
+
+
 def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: OptimizerFactory,
-               config: StepConfig) -> dict[str, Any]:
-    """The same training on one device."""
+               config: StepConfig, recycle: tuple[int, dict[int, str]] | None = None) -> dict[str, Any]:
+    """The same training on one device (with ``recycle``: the recycling loop per micro-batch)."""
     m = copy.deepcopy(model)
     named = dict(m.named_parameters())
     opt = optimizer(list(named.values()))
@@ -245,7 +278,7 @@ def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: Opt
         k = config.grad_accum
         total = 0.0
         for micro in zip(*[torch.chunk(x, k, dim=0) for x in inputs]):
-            loss = m(*micro)
+            loss = m(*micro) if recycle is None else recycled_forward(m, micro, *recycle)
             (loss / k).backward()
             total += float(loss.detach())
         if config.clip_grad_norm is not None:

@@ -20,13 +20,14 @@ from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
 )
 from torchweave.lower.program import (
-    Comm, Compute, Free, InputSlot, LocalRef, ParamSlot, Program,
+    Comm, Compute, Free, InputSlot, LocalRef, ParamSlot, Program, RecycleLink,
 )
 from torchweave.lower.stages import insert_frees, split_stages
-from torchweave.lower.steps import Group, devices_of, name_of
+from torchweave.lower.steps import Box, Group, devices_of, name_of
 from torchweave.ops import info
 from torchweave.plan.layout import Layout, Piece, full_box
 from torchweave.plan.plan import Plan
+from torchweave.plan.recycle import Recycle, resolve_links
 from torchweave.plan.validate import PlanError, validate
 
 
@@ -47,6 +48,8 @@ class Lowering:
         self.counter = 0
         self.layouts: dict[str, Layout] = {}
         self.producer = {o: n.name for n in graph.nodes for o in n.outputs if o}
+        self.input_reads: dict[str, dict[int, Box]] = {}
+        """Graph input → the region of it each device reads (their bounding box)."""
 
     # ------------------------------------------------------------ driver
     def run(self) -> list[Program]:
@@ -193,6 +196,10 @@ class Lowering:
             for d in needs:
                 self.local[(value, d)] = value
             self.defer[value] = True
+        if v.kind == "input":
+            reads = self.input_reads.setdefault(value, {})
+            for d, n in needs.items():
+                reads[d] = _hull(reads[d], n.box) if d in reads else n.box
         key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
         if key in self.cache:
             return dict(self.cache[key])
@@ -260,6 +267,29 @@ class Lowering:
             _insert_frees(prog)
 
 
+def _hull(a: Box, b: Box) -> Box:
+    return tuple((min(x0, y0), max(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def recycle_links(low: Lowering, recycle: Recycle) -> list[RecycleLink]:
+    """The transfers that carry each recycled output to the devices that read its input."""
+    links, problems = resolve_links(low.graph, recycle)
+    if problems:
+        raise PlanError(problems)
+    out = []
+    for link in links:
+        reads = low.input_reads.get(link.input, {})
+        if not reads:
+            continue  # read for its shape only: nothing to carry
+        shape = low.graph.values[link.input].meta.shape
+        der = point_to_point(shape, low.held[link.output], {d: Need(box, d) for d, box in reads.items()})
+        (step,) = der.steps
+        sources = {t.src for t in step.transfers}
+        assert all(low.local.get((link.output, d), link.output) == link.output for d in sources)
+        out.append(RecycleLink(link.input, link.index, link.output, step, tuple(sorted(reads.items()))))
+    return out
+
+
 def _insert_frees(prog: Program) -> None:
     """``del`` each local tensor after its last use (keeps peak memory honest)."""
     prog.instrs = insert_frees(prog.instrs, {prog.loss or ""} | {i.local for i in prog.inputs})
@@ -268,7 +298,12 @@ def _insert_frees(prog: Program) -> None:
 def lower(graph: Graph, plan: Plan) -> list[Program]:
     """Validate ``plan`` and lower it to one Program per rank."""
     validate(plan, graph)
-    programs = Lowering(graph, plan).run()
+    low = Lowering(graph, plan)
+    programs = low.run()
+    if plan.pipeline is not None and plan.pipeline.recycle is not None:
+        links = recycle_links(low, plan.pipeline.recycle)
+        for prog in programs:
+            prog.passes, prog.recycle = plan.pipeline.passes, links
     if plan.pipeline is not None:
         split_stages(programs, graph, plan)
     for prog in programs:

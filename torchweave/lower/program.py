@@ -100,6 +100,27 @@ class Boundary:
     dtype: str = "torch.float32"
 
 
+@dataclass(frozen=True)
+class RecycleLink:
+    """Multi-forward: a value of the last stage carried back as stage 0's input for the next pass.
+
+    The same on every rank it touches. Receivers hold the input whole (as
+    every input), zero outside the region ``boxes`` gives them, which is the
+    part their ops read.
+    """
+
+    input: str
+    """The input's local name."""
+    index: int
+    """Its position in the user's inputs."""
+    output: str
+    """On a sender, the local tensor it sends from."""
+    step: P2P
+    """Transfers from the holders of the output to each receiver's region (no gradient)."""
+    boxes: tuple[tuple[int, Box], ...]
+    """Receiver → the region of the whole input it receives."""
+
+
 @dataclass
 class Segment:
     """The part of one rank's forward that belongs to one pipeline stage."""
@@ -137,6 +158,12 @@ class Program:
     actions: list[Action] = field(default_factory=list)
     """Pipelined plans: this rank's compute actions (its group's schedule row)."""
     micro_batches: int = 1
+    boundaries: int = 0
+    """Pipelined plans: how many boundaries the whole plan has (message tags number them)."""
+    passes: int = 1
+    """Multi-forward: forward passes per micro-batch, the last with gradients."""
+    recycle: list[RecycleLink] = field(default_factory=list)
+    """Multi-forward: what comes back from the last stage to stage 0 between passes."""
     recompute: list[tuple[str, ...]] = field(default_factory=list)
     """Groups of nodes whose activations are recomputed in backward."""
 

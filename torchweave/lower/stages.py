@@ -93,6 +93,7 @@ def split_stages(programs: list[Program], graph: Graph, plan: Plan) -> None:
         _split(prog, graph, pipe, index, producer)
         prog.actions = list(schedule.get(pipe.rank_of_device(prog.rank), []))
         prog.micro_batches = pipe.micro_batches
+        prog.boundaries = len(keys)
 
 
 def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int],
@@ -150,6 +151,11 @@ def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int],
             defined[name] = s
     if prog.loss is not None and prog.loss in defined:
         segs[defined[prog.loss]].loss = prog.loss
+    for link in prog.recycle:  # multi-forward: what this rank sends back to stage 0
+        if any(t.src == prog.rank for t in link.step.transfers) and link.output not in outside:
+            seg = segs[defined[link.output]]
+            if link.output not in seg.outputs:
+                seg.outputs.append(link.output)
     keep_inputs = {i.local for i in prog.inputs}
     for seg in segs.values():
         seg.instrs = insert_frees(seg.instrs, set(seg.outputs) | {seg.loss or ""} | keep_inputs)

@@ -18,6 +18,8 @@ import torch.nn as nn
 from torchweave.models.gpt import GPT, GPTConfig, flops_per_token
 from torchweave.models.llama import Llama, LlamaConfig
 from torchweave.models.moe import MoEConfig, MoEGPT
+from torchweave.models.recycler import Recycler, RecyclerConfig
+from torchweave.models.recycler import example as _recycler_example
 from torchweave.models.swin import Swin, SwinConfig
 from torchweave.models.t5 import T5, T5Config
 from torchweave.models.vit import ViT, ViTConfig
@@ -127,6 +129,11 @@ def moe_tiny() -> Example:
     return MoEGPT(cfg), _tokens(cfg.vocab_size, 4, 16)
 
 
+def recycler_tiny() -> Example:
+    """An AlphaFold-style recycling model (:mod:`torchweave.models.recycler`); batch 8."""
+    return _recycler_example(RecyclerConfig(), 8)
+
+
 def _hf_tokens(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face shifts labels internally, so labels are the input ids themselves."""
     input_ids = torch.randint(0, vocab, (batch, seq), generator=_gen())
@@ -158,6 +165,7 @@ FACTORIES: dict[str, Callable[[], Example]] = {
     "swin-tiny": swin_tiny,
     "t5-tiny": t5_tiny,
     "moe-tiny": moe_tiny,
+    "recycler-tiny": recycler_tiny,
     "hf-gpt2-tiny": hf_gpt2_tiny,
     "hf-llama-tiny": hf_llama_tiny,
 }
@@ -182,6 +190,6 @@ def build(name: str) -> Example:
 
 __all__ = [
     "FACTORIES", "build", "get_factory", "flops_per_token",
-    "GPT", "GPTConfig", "Llama", "LlamaConfig", "MoEGPT", "MoEConfig",
+    "GPT", "GPTConfig", "Llama", "LlamaConfig", "MoEGPT", "MoEConfig", "Recycler", "RecyclerConfig",
     "Swin", "SwinConfig", "T5", "T5Config", "ViT", "ViTConfig",
 ]

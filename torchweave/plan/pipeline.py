@@ -11,6 +11,10 @@
   from the stages (lowering derives them), and the dry run places them next to
   their compute (:func:`~torchweave.plan.schedules.add_communication`).
 
+With ``recycle`` (:mod:`torchweave.plan.recycle`) each micro-batch runs
+several forward passes, all but the last without gradients (``R`` actions),
+the last stage's outputs fed back to stage 0 between passes.
+
 A stage with ``stage_rank[s] == ALL`` is *shared*: it runs on every device
 (the interlaced pipeline's embedding and LM head; see
 :mod:`torchweave.plan.interlaced`).
@@ -26,6 +30,7 @@ from typing import Any
 
 from torchweave.errors import Problem
 from torchweave.plan.interlaced import ALL, check_shared
+from torchweave.plan.recycle import Recycle
 from torchweave.plan.schedules import (
     Action, Schedule, ScheduleError, add_communication, dry_run, format_schedule,
 )
@@ -49,6 +54,13 @@ class Pipeline:
     """Pipeline rank → compute actions, in order."""
     kind: str = "custom"
     """The built-in that made the schedule, or ``custom``."""
+    recycle: Recycle | None = None
+    """Multi-forward: passes per micro-batch and the recycled outputs."""
+
+    @property
+    def passes(self) -> int:
+        """Forward passes per micro-batch (1 unless recycling)."""
+        return self.recycle.passes if self.recycle is not None else 1
 
     @property
     def stages(self) -> int:
@@ -72,7 +84,8 @@ class Pipeline:
         return tuple(sorted(d for g in self.groups for d in g)) if r == ALL else self.groups[r]
 
     def to_data(self) -> dict[str, Any]:
-        return {
+        extra = {"recycle": self.recycle.to_data()} if self.recycle is not None else {}
+        return {**extra, 
             "groups": [list(g) for g in self.groups],
             "stage_of": self.stage_of,
             "stage_rank": self.stage_rank,
@@ -90,6 +103,7 @@ class Pipeline:
             micro_batches=int(data["micro_batches"]),
             schedule={int(r): [Action.parse(a) for a in acts] for r, acts in data["schedule"].items()},
             kind=data.get("kind", "custom"),
+            recycle=Recycle.from_data(data["recycle"]) if data.get("recycle") else None,
         )
 
 
@@ -159,7 +173,7 @@ def check_pipeline(pipe: Pipeline, *, world_size: int, nodes: dict[str, Any],
 
 def check_schedule(pipe: Pipeline) -> None:
     """Dry-run the schedule over every pipeline rank; raise :class:`ScheduleError` with the grid."""
-    if pipe.shared:
+    if pipe.shared and pipe.recycle is None:  # with recycling: reported by check_recycle
         check_shared(pipe.schedule, pipe.stage_rank, pipe.micro_batches)
         return
     stage_to_rank = dict(enumerate(pipe.stage_rank))
@@ -172,7 +186,7 @@ def check_schedule(pipe: Pipeline) -> None:
     full = {k: list(sched.get(k, [])) for k in range(len(pipe.groups))}
     if not any(a.kind.is_comm for acts in full.values() for a in acts):
         full = add_communication(full, stage_to_rank)
-    dry_run(full, stage_to_rank, pipe.stages, pipe.micro_batches)
+    dry_run(full, stage_to_rank, pipe.stages, pipe.micro_batches, pipe.passes)
 
 
 def compute_only(schedule: Schedule) -> Schedule:
@@ -210,10 +224,10 @@ def apply_orders(schedule: Schedule, orders: list[tuple[Action, Action]]) -> Sch
                 need[after].add(before)
         for a in acts:
             for kind in _AFTER.get(a.kind.value, ()):
-                prev = next((b for b in acts if b.stage == a.stage and b.micro == a.micro
-                             and b.kind.value == kind), None)
-                if prev is not None:
-                    need[a].add(prev)
+                same = [b for b in acts if b.stage == a.stage and b.micro == a.micro
+                        and b.kind.value == kind and (a.kind.value != "R" or b.iteration < a.iteration)]
+                if same:
+                    need[a].add(max(same, key=lambda b: b.iteration))
         done: list[Action] = []
         left = sorted(acts, key=pos.get)
         while left:
@@ -228,5 +242,6 @@ def apply_orders(schedule: Schedule, orders: list[tuple[Action, Action]]) -> Sch
     return out
 
 
-_AFTER = {"B": ("F",), "I": ("F",), "W": ("I",)}
-"""Kinds each action waits for, on its own (stage, micro-batch)."""
+_AFTER = {"B": ("F",), "I": ("F",), "W": ("I",), "F": ("R",), "R": ("R",)}
+"""Kinds each action waits for, on its own (stage, micro-batch): ``F`` and ``R`` wait for
+the ``R`` pass before them."""

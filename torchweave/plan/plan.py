@@ -210,4 +210,5 @@ def _fmt(trans: list[Trans], devices: list[int] | None) -> str:
 def _pipe(p: Pipeline | None) -> str:
     if p is None:
         return "none"
-    return f"{p.kind}, {p.stages} stages on {len(p.groups)} groups, {p.micro_batches} micro-batches"
+    passes = f", {p.passes} passes" if p.passes > 1 else ""
+    return f"{p.kind}, {p.stages} stages on {len(p.groups)} groups, {p.micro_batches} micro-batches{passes}"

@@ -7,6 +7,7 @@ from torchweave.ir.graph import Graph
 from torchweave.ops import info
 from torchweave.plan.pipeline import check_pipeline, check_schedule
 from torchweave.plan.plan import Plan
+from torchweave.plan.recycle import check_recycle
 
 
 class PlanError(TorchweaveError):
@@ -51,6 +52,9 @@ def validate(plan: Plan, graph: Graph, *, world_size: int | None = None) -> None
                  if r.name in producer]
         problems.extend(check_pipeline(plan.pipeline, world_size=plan.world_size, nodes=names,
                                        devices_of=devices, edges=edges))
+        pipe = plan.pipeline
+        if pipe.recycle is not None:
+            problems.extend(check_recycle(pipe.recycle, graph, pipe.stage_of, pipe.stages, pipe.shared))
         if plan.zero == 3:
             problems.append(Problem(obj=f"plan {plan.name!r}", value="zero=3 with a pipeline",
                                     rule="pipelined plans shard optimizer state and gradients "

@@ -27,7 +27,7 @@ POLICIES: dict[str, Policy] = {
     **{name: functools.partial(pipeline_policy, schedule=name) for name in SCHEDULES},
     "interlaced": interlaced,
 }
-_PIPELINE_OPTIONS = ("pp", "tp", "dp", "micro", "virtual", "stages", "zero")
+_PIPELINE_OPTIONS = ("pp", "tp", "dp", "micro", "virtual", "stages", "zero", "recycle")
 PlanLike = Union[Plan, Policy, str]
 
 

@@ -10,7 +10,9 @@ builds a plan from the primitives in a fixed order:
    FLOPs, preferring cuts between numbered blocks (``blocks.3``);
 3. op-assign of each node's pieces to its stage's group (stage ``s`` on
    pipeline rank ``s % pp``: interleaved stages loop over the groups);
-4. op-order: the built-in schedule over the pipeline ranks.
+4. op-order: the built-in schedule over the pipeline ranks; with
+   ``recycle=P`` (multi-forward), ``P - 1`` no-gradient passes per
+   micro-batch placed in its bubbles (:func:`with_recycle`).
 
 The device mesh is ``pp × dp × tp``, row-major, so group ``k`` is devices
 ``k·dp·tp … (k+1)·dp·tp − 1`` and ZeRO shards over ``dp`` inside each group.
@@ -27,8 +29,10 @@ from torchweave.plan.layout import Mesh
 from torchweave.plan.interlaced import interlaced_1f1b
 from torchweave.plan.pipeline import ALL, Pipeline, apply_orders
 from torchweave.plan.plan import Plan
+from torchweave.plan.recycle import Recycle
+from torchweave.plan.schedules.recycle import multi_forward
 from torchweave.plan.schedules import (
-    Action, Schedule, check_stage_count, from_csv, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
+    Action, Kind, Schedule, check_stage_count, from_csv, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
     zero_bubble_h1,
 )
 from torchweave.policies.data import dp as dp_policy
@@ -41,12 +45,14 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb")
 def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              pp: int | None = None, tp: int = 1, dp: int = 1, micro: int | None = None,
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
-             cuts: list[int] | None = None) -> Plan:
+             cuts: list[int] | None = None, recycle: int = 1) -> Plan:
     """A pipelined plan: ``pp`` groups of ``dp * tp`` devices, ``micro`` micro-batches.
 
     Defaults: ``pp = world_size / (dp * tp)``, ``virtual = 2`` stages per rank
     for ``interleaved`` (else 1), ``micro = 2 * pp``. ``cuts``, when given, are
     the graph positions where stages 1, 2, … start (instead of the FLOP-balanced cut).
+    ``recycle`` > 1: that many forward passes per micro-batch, linked as the
+    model's ``recycle`` attribute says (see :func:`with_recycle`).
     """
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
@@ -84,6 +90,44 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
                              micro_batches=micro, schedule=order, kind=schedule)
     plan.notes["policy"] = (f"pipeline(schedule={schedule!r}, pp={pp}, dp={dp}, tp={tp}, "
                             f"micro={micro}, virtual={virtual}, zero={zero})")
+    if recycle != 1:
+        with_recycle(plan, graph, recycle)
+    return plan
+
+
+def with_recycle(plan: Plan, graph: Graph, passes: int,
+                 links: dict[str, str] | None = None) -> Plan:
+    """``plan`` running ``passes`` forward passes per micro-batch, the last with gradients.
+
+    ``links`` maps each recycled forward argument to the module (or value)
+    whose output it takes on the next pass; by default the model's
+    ``recycle`` attribute (``graph.meta["recycle"]``). The no-gradient passes
+    are placed in the schedule's bubbles by op-order
+    (:func:`~torchweave.plan.schedules.recycle.multi_forward`); the plan's own
+    order of ``F``, ``B``, ``I`` and ``W`` is kept.
+    """
+    pipe = plan.pipeline
+    if pipe is None:
+        raise TorchweaveError(Problem(obj=f"plan {plan.name!r}", value="no pipeline",
+                                      rule="multi-forward runs on a pipelined plan",
+                                      fix="start from a pipeline policy, e.g. '1f1b:recycle=3', or "
+                                          "'gpipe:pp=1,dp=N,recycle=3' for data parallelism"))
+    links = links if links is not None else graph.meta.get("recycle")
+    if not links:
+        raise TorchweaveError(Problem(
+            obj=f"model {graph.model_name!r}", value="no recycled outputs",
+            rule="multi-forward needs to know which outputs come back as which inputs",
+            fix="pass links={'prev': 'norm'}, or give the model a class attribute "
+                "recycle = {'prev': 'norm'} (forward argument: module)"))
+    if not isinstance(passes, int) or passes < 1:
+        raise TorchweaveError(Problem(obj="recycle passes", value=repr(passes),
+                                      rule="a whole number of forward passes >= 1"))
+    base = {r: [a for a in acts if a.kind is not Kind.R] for r, acts in pipe.schedule.items()}
+    stage_to_rank = {s: r for s, r in enumerate(pipe.stage_rank)}
+    pipe.schedule = multi_forward(base, stage_to_rank, pipe.micro_batches, passes) \
+        if not pipe.shared else base
+    pipe.recycle = Recycle(passes, tuple(sorted(links.items())))
+    plan.notes["recycle"] = f"{passes} passes: " + ", ".join(f"{k} <- {v}" for k, v in sorted(links.items()))
     return plan
 
 

@@ -278,7 +278,8 @@ def _collect(procs: list, out_dir: Path, config: LaunchConfig) -> list[Any]:
 
 
 def _stop(procs: list) -> None:
-    """Terminate ranks still running, then kill any that ignore it."""
+    """Terminate ranks still running, then kill any that ignore it (some may never have started)."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -13,6 +13,10 @@
   only and sends their gradients; ``W`` later computes the parameters'
   gradients from what ``I`` kept at the ops that read them
   (:mod:`torchweave.runtime.zb`).
+- ``R`` (multi-forward, pass ``k``): as ``F`` but under ``torch.no_grad()``,
+  keeping nothing; the last stage sends the recycled outputs back to stage 0,
+  which reads them as inputs on pass ``k + 1`` (an ``R``, or the ``F``).
+  Messages of different passes have different tags.
 
 After the last action, gradients are summed over their groups, ZeRO shards
 them, and clipping and the optimizer step follow, all as in
@@ -21,6 +25,7 @@ them, and clipping and the optimizer step follow, all as in
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.lower.program import Boundary, Segment
+from torchweave.lower.program import Boundary, RecycleLink, Segment
 from torchweave.plan.schedules import Action, Kind
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
@@ -89,6 +94,7 @@ class PipelineModule(RankModule):
         self.segments: dict[int, Segment] = {seg.stage: seg for seg in prog.segments}
         self.fns = {s: getattr(self.code, f"stage{s}") for s in self.segments}
         self.micro = prog.micro_batches
+        self.passes = prog.passes
         self.stats = StepStats()
 
     # ------------------------------------------------------------ one step
@@ -121,7 +127,9 @@ class PipelineModule(RankModule):
 
     def run(self, a: Action) -> None:
         if a.kind is Kind.F:
-            self._forward(a.stage, a.micro)
+            self._forward(a.stage, a.micro, self.passes - 1)
+        elif a.kind is Kind.R:
+            self._forward(a.stage, a.micro, a.iteration)
         elif a.kind is Kind.B:
             self._backward(a.stage, a.micro, to_inputs=True, to_params=True)
         elif a.kind is Kind.I:
@@ -129,25 +137,36 @@ class PipelineModule(RankModule):
         elif a.kind is Kind.W:
             self._backward(a.stage, a.micro, to_inputs=False, to_params=True)
 
-    def _forward(self, s: int, m: int) -> None:
+    def _forward(self, s: int, m: int, k: int) -> None:
+        """Pass ``k`` of stage ``s`` on micro-batch ``m``: with gradients on the last pass."""
+        grad = k == self.passes - 1
         seg = self.segments[s]
         b: dict[str, torch.Tensor] = {}
         for bd in seg.recvs:
-            b[bd.key] = self._recv(bd, m)
+            b[bd.key] = self._recv(bd, m, k)
         for name in seg.inputs:
-            src = self._handed.pop((name, m))
-            b[name] = src.detach().requires_grad_(src.requires_grad)
+            src = self._handed.pop((name, m, k))
+            b[name] = src.detach().requires_grad_(src.requires_grad) if grad else src
         self.rt.tokens = []
         inputs = [x[m] for x in self._micro]
-        loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
-        live = _Live(loss, outputs, b, list(self.rt.tokens))
-        self._live[(s, m)] = live
+        if k > 0 and s == 0:
+            for link in self.program.recycle:
+                if self.rt.rank in dict(link.boxes):
+                    inputs[link.index] = self._recv_recycled(link, m, k)
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
+        if grad:
+            self._live[(s, m)] = _Live(loss, outputs, b, list(self.rt.tokens))
         for bd in seg.sends:
-            self._send(bd, outputs[bd.local], m)
+            self._send(bd, outputs[bd.local], m, k)
         for name in seg.outputs:
             if self._read_locally(name):
-                self._handed[(name, m)] = outputs[name]
-        if loss is not None:
+                self._handed[(name, m, k)] = outputs[name]
+        if not grad:
+            for link in self.program.recycle:
+                if link.output in outputs:
+                    self._send_recycled(link, outputs[link.output], m, k)
+        elif loss is not None:
             self._loss += float(loss.detach()) / self.micro
 
     def _read_locally(self, name: str) -> bool:
@@ -196,8 +215,11 @@ class PipelineModule(RankModule):
             del self._live[(s, m)]
 
     # ------------------------------------------------------------ messages
-    def _tag(self, bd: Boundary, m: int, direction: int, j: int) -> int:
-        return ((bd.index * self.micro + m) * 2 + direction) * _TAG_TRANSFERS + j
+    def _tag(self, index: int, m: int, direction: int, j: int, k: int | None = None) -> int:
+        """Message ``j`` of boundary ``index`` (recycle links follow the boundaries) for
+        micro-batch ``m``, pass ``k`` (default: the last, with gradients)."""
+        k = self.passes - 1 if k is None else k
+        return (((index * self.micro + m) * 2 + direction) * self.passes + k) * _TAG_TRANSFERS + j
 
     def _post(self, data: torch.Tensor, dst: int, tag: int, direction: Direction) -> None:
         data = data.detach().contiguous()
@@ -226,25 +248,46 @@ class PipelineModule(RankModule):
         dist.recv(buf, src, tag=tag)
         self.stats.wait_s += time.perf_counter() - start
 
-    def _recv(self, bd: Boundary, m: int) -> torch.Tensor:
-        r = self.rt.rank
-        dtype = getattr(torch, bd.dtype.removeprefix("torch."))
-        out = torch.zeros(dict(bd.step.shapes)[r], dtype=dtype, device=self.rt.device)
-        for j, t in enumerate(bd.step.transfers):
-            if t.dst != r:
+    def _recv_into(self, out: torch.Tensor, transfers, index: int, m: int, k: int) -> None:
+        """Receive this rank's transfers of ``index`` into ``out`` (boxes in its coordinates)."""
+        for j, t in enumerate(transfers):
+            if t.dst != self.rt.rank:
                 continue
-            piece = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.device)
-            self._wait_for(piece, t.src, self._tag(bd, m, _FWD, j))
+            piece = torch.empty(_shape(t.dst_box), dtype=out.dtype, device=out.device)
+            self._wait_for(piece, t.src, self._tag(index, m, _FWD, j, k))
             target = _region(out, t.dst_box)
             target.add_(piece) if t.add else target.copy_(piece)
-        if bd.grad and dtype.is_floating_point:
+
+    def _send_from(self, x: torch.Tensor, transfers, index: int, m: int, k: int) -> None:
+        for j, t in enumerate(transfers):
+            if t.src == self.rt.rank:
+                self._post(_region(x, t.src_box), t.dst, self._tag(index, m, _FWD, j, k),
+                           Direction.FORWARD)
+
+    def _recv(self, bd: Boundary, m: int, k: int) -> torch.Tensor:
+        dtype = getattr(torch, bd.dtype.removeprefix("torch."))
+        out = torch.zeros(dict(bd.step.shapes)[self.rt.rank], dtype=dtype, device=self.rt.device)
+        self._recv_into(out, bd.step.transfers, bd.index, m, k)
+        if bd.grad and dtype.is_floating_point and k == self.passes - 1:
             out.requires_grad_(True)
         return out
 
-    def _send(self, bd: Boundary, x: torch.Tensor, m: int) -> None:
-        for j, t in enumerate(bd.step.transfers):
-            if t.src == self.rt.rank:
-                self._post(_region(x, t.src_box), t.dst, self._tag(bd, m, _FWD, j), Direction.FORWARD)
+    def _send(self, bd: Boundary, x: torch.Tensor, m: int, k: int) -> None:
+        self._send_from(x, bd.step.transfers, bd.index, m, k)
+
+    def _link_index(self, link: RecycleLink) -> int:
+        return self.program.boundaries + self.program.recycle.index(link)
+
+    def _send_recycled(self, link: RecycleLink, x: torch.Tensor, m: int, k: int) -> None:
+        """The last stage's output of pass ``k``, to the devices that read it on pass ``k + 1``."""
+        self._send_from(x, link.step.transfers, self._link_index(link), m, k)
+
+    def _recv_recycled(self, link: RecycleLink, m: int, k: int) -> torch.Tensor:
+        """Pass ``k``'s recycled input: the whole input, this rank's region filled from pass ``k - 1``."""
+        out = torch.zeros_like(self._micro[link.index][m])
+        self._recv_into(_region(out, dict(link.boxes)[self.rt.rank]), link.step.transfers,
+                        self._link_index(link), m, k - 1)
+        return out
 
     def _send_grad(self, bd: Boundary, g: torch.Tensor, m: int) -> None:
         scale = dict(bd.step.grad_scale).get(self.rt.rank, 1.0)
@@ -252,7 +295,7 @@ class PipelineModule(RankModule):
             g = g * scale
         for j, t in enumerate(bd.step.grad_back):
             if t.src == self.rt.rank:
-                self._post(_region(g, t.src_box), t.dst, self._tag(bd, m, _BWD, j), Direction.BACKWARD)
+                self._post(_region(g, t.src_box), t.dst, self._tag(bd.index, m, _BWD, j), Direction.BACKWARD)
 
     def _recv_grad(self, bd: Boundary, x: torch.Tensor, m: int) -> torch.Tensor | None:
         if not bd.grad:
@@ -262,7 +305,7 @@ class PipelineModule(RankModule):
             if t.dst != self.rt.rank:
                 continue
             piece = torch.empty(_shape(t.dst_box), dtype=x.dtype, device=x.device)
-            self._wait_for(piece, t.src, self._tag(bd, m, _BWD, j))
+            self._wait_for(piece, t.src, self._tag(bd.index, m, _BWD, j))
             _region(holder, t.dst_box).add_(piece)
         return holder
 

@@ -2,7 +2,10 @@
 
 An :class:`Action` is (stage, kind, micro-batch). It prints as ``1F0`` (stage 1,
 forward, micro-batch 0), ``0SEND_F3`` or ``2W1``, and :meth:`Action.parse`
-reads that back. A :data:`Schedule` maps each rank to its actions, in the
+reads that back. Multi-forward plans (recycling, as in AlphaFold 2) add
+``R``, a forward without gradients, with its pass after a dot: ``1R0.2`` is
+stage 1's third no-gradient pass of micro-batch 0; the pass with gradients is
+the plain ``F``. A :data:`Schedule` maps each rank to its actions, in the
 order the rank runs them. Schedules print as a grid (one row per rank, one
 column per step) and round-trip through CSV (one row per rank, one action
 per cell).
@@ -10,7 +13,10 @@ per cell).
 Communication actions name the stage that runs them: ``0SEND_F3`` is stage 0
 sending its output of micro-batch 3 forward, matched by ``1RECV_F3`` on the
 rank of stage 1; ``1SEND_B3`` is stage 1 sending the gradient of its input
-backward, matched by ``0RECV_B3``.
+backward, matched by ``0RECV_B3``. ``sSEND_Rm.k`` sends stage ``s``'s output of
+no-gradient pass ``k`` on: to stage ``s+1``, or from the last stage back to
+stage 0, where ``0RECV_Rm.(k+1)`` takes it for the next pass (the ``F`` after
+the last ``R`` receives ``0RECV_Rm.P`` with ``P`` the number of ``R`` passes).
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ class Kind(enum.Enum):
     """Send the gradient of this stage's input to the previous stage."""
     RECV_B = "RECV_B"
     """Receive the gradient of this stage's output from the next stage."""
+    R = "R"
+    """Forward without gradients (a recycling pass); its pass number follows a dot."""
+    SEND_R = "SEND_R"
+    """Send the output of a no-gradient pass on (the last stage: back to stage 0)."""
+    RECV_R = "RECV_R"
+    """Receive the input of a no-gradient pass (stage 0: the recycled output)."""
 
     @property
     def is_compute(self) -> bool:
@@ -61,40 +73,57 @@ class Kind(enum.Enum):
         return self in (Kind.B, Kind.I)
 
 
-_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
+_PASSED = frozenset({Kind.R, Kind.SEND_R, Kind.RECV_R})
+"""Kinds that carry a pass number (``.k``)."""
 # Longest names first, so that "SEND_F" is not read as "S" + ... and so on.
 _KIND_NAMES = sorted((k.value for k in Kind), key=len, reverse=True)
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank: ``kind`` of ``stage`` on micro-batch ``micro``."""
+    """One step of one rank: ``kind`` of ``stage`` on micro-batch ``micro``
+    (``iteration``: which no-gradient pass, for ``R`` and its messages)."""
 
     stage: int
     kind: Kind
     micro: int
+    iteration: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
             raise TypeError(f"Action.kind is a Kind, not {self.kind!r}")
-        if self.stage < 0 or self.micro < 0:
+        if self.stage < 0 or self.micro < 0 or self.iteration < 0:
             raise ScheduleError(Problem(
                 obj=f"Action(stage={self.stage}, kind={self.kind.value}, micro={self.micro})",
-                value=f"stage={self.stage}, micro={self.micro}",
-                rule="stage and micro-batch are numbered from 0",
+                value=f"stage={self.stage}, micro={self.micro}, iteration={self.iteration}",
+                rule="stage, micro-batch and pass are numbered from 0",
             ))
+        if self.iteration and self.kind not in _PASSED:
+            raise ScheduleError(Problem(
+                obj=f"Action {self.stage}{self.kind.value}{self.micro}", value=f"pass {self.iteration}",
+                rule="only R, SEND_R and RECV_R carry a pass number",
+                fix="drop the '.k' suffix"))
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.micro}"
+        base = f"{self.stage}{self.kind.value}{self.micro}"
+        return f"{base}.{self.iteration}" if self.kind in _PASSED else base
 
     def __repr__(self) -> str:
         return f"Action({self})"
 
     @staticmethod
     def parse(text: str) -> Action:
-        """Read ``<stage><kind><micro>`` (``1F0``, ``0SEND_B3``); raise pointing at the bad text."""
+        """Read ``<stage><kind><micro>[.<pass>]`` (``1F0``, ``0SEND_B3``, ``2R1.0``); raise
+        pointing at the bad text."""
         s = text.strip()
         lead = len(text) - len(text.lstrip())
+        iteration = None
+        head, dot, tail = s.rpartition(".")
+        if dot:
+            if not tail.isdigit():
+                raise _parse_error(text, lead + len(head) + 1, "a pass number follows the dot")
+            s, iteration = head, int(tail)
         i = 0
         while i < len(s) and s[i].isdigit():
             i += 1
@@ -111,14 +140,19 @@ class Action:
         if name not in _KIND_NAMES:
             raise _parse_error(text, lead + i, f"unknown kind {name!r}; kinds are "
                                + ", ".join(k.value for k in Kind))
-        return Action(int(s[:i]), Kind(name), int(s[j:]))
+        kind = Kind(name)
+        if (iteration is None) == (kind in _PASSED):
+            rule = (f"{name} takes its pass after a dot, e.g. {s}.0" if iteration is None
+                    else f"only R, SEND_R and RECV_R carry a pass number, not {name}")
+            raise _parse_error(text, lead + len(s), rule)
+        return Action(int(s[:i]), kind, int(s[j:]), iteration or 0)
 
 
 def _parse_error(text: str, pos: int, rule: str) -> ScheduleError:
     caret = " " * pos + "^"
     return ScheduleError(Problem(
         obj=f"action {text!r}", value=f"\n    {text}\n    {caret}", rule=rule,
-        fix="write <stage><kind><micro>, e.g. 1F0, 2W1 or 0SEND_F3",
+        fix="write <stage><kind><micro>, e.g. 1F0, 2W1 or 0SEND_F3 (R passes: 1R0.2)",
     ))
 
 
