@@ -9,7 +9,10 @@ stage and micro-batch, in each rank's order) with per-stage costs
   ``s-1`` is on another rank;
 - ``B(s, m)`` / ``I(s, m)`` after ``F(s, m)`` and the input gradient of stage
   ``s+1`` (``B`` or ``I``), transferred back when on another rank;
-- ``W(s, m)`` after ``I(s, m)``.
+- ``W(s, m)`` after ``I(s, m)``;
+- ``R(s, m, k)`` (a no-gradient pass, multi-forward) like ``F``; stage 0's
+  pass ``k`` (``R``, or ``F`` after the last ``R``) after the last stage's
+  pass ``k - 1`` and the transfer of its recycled outputs.
 
 An action that appears in several ranks' lists (a *shared* stage, run by
 every rank on its piece, as in interlaced pipelines) starts on all of them
@@ -18,8 +21,8 @@ when the last one reaches it. ``B`` costs the stage's backward; split into ``I``
 keeps only its input per micro-batch and its backward (``B`` or ``I``) first
 reruns the forward.
 
-Memory: a micro-batch's activations of a stage are held from the start of its
-``F`` to the end of its ``B`` (or of its ``W`` when split, since the weight
+Memory: ``R`` keeps nothing. A micro-batch's activations of a stage are held
+from the start of its ``F`` to the end of its ``B`` (or of its ``W`` when split, since the weight
 gradient still reads the layer inputs). The result gives, per rank, the peak
 number of micro-batches held and the peak activation bytes, so schedules with
 the same stages compare by bubble and by memory.
@@ -52,6 +55,8 @@ class StageCost:
     weight_share: float = 0.5
     """Fraction of ``bwd`` that is the weight gradient (``W``) when split."""
     recompute: bool = False
+    recycled: int = 0
+    """Multi-forward, last stage: bytes of the outputs sent back to stage 0 after each pass."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class PipelineStep:
 
 def _cost(a: Action, c: StageCost) -> float:
     rerun = c.fwd if c.recompute else 0.0
-    if a.kind is Kind.F:
+    if a.kind in (Kind.F, Kind.R):
         return c.fwd
     if a.kind is Kind.B:
         return c.bwd + rerun
@@ -91,7 +96,7 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
     constant) is the time of one point-to-point message between ranks."""
     send = transfer if callable(transfer) else (lambda _n, t=float(transfer): t)
     compute = {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.items()}
-    owners = Counter((a.kind, a.stage, a.micro) for acts in compute.values() for a in acts)
+    owners = Counter(_key(a) for acts in compute.values() for a in acts)
     rank_of: dict[int, int | None] = {}
     for r, acts in compute.items():
         for a in acts:  # a stage on several ranks (shared) has no single rank: None
@@ -101,23 +106,36 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
         raise SimError(Problem(obj="pipeline costs", value=f"{len(costs)} stages",
                                rule=f"one StageCost per stage: the schedule has {stages}",
                                fix="give a cost for every stage"))
-    present = {(a.kind, a.stage, a.micro) for acts in compute.values() for a in acts}
+    present = {_key(a) for acts in compute.values() for a in acts}
+    passes: dict[int, int] = {}
+    for kind, _, m, k in present:
+        if kind is Kind.R:
+            passes[m] = max(passes.get(m, 0), k + 1)
     end: dict[tuple, float] = {}
+    last = stages - 1
 
     def grad_key(s: int, m: int) -> tuple:
-        return (Kind.I if (Kind.I, s, m) in present else Kind.B, s, m)
+        return (Kind.I if (Kind.I, s, m, 0) in present else Kind.B, s, m, 0)
+
+    def after(key: tuple, src: int, dst: int, nbytes: int) -> float | None:
+        """When ``key``'s output of stage ``src`` is on stage ``dst``'s rank."""
+        t = end.get(key)
+        apart = rank_of[src] != rank_of[dst] or rank_of[dst] is None
+        return None if t is None else t + (send(nbytes) if apart else 0.0)
 
     def ready(a: Action) -> float | None:
-        s, m = a.stage, a.micro
-        if a.kind is Kind.F:
-            if s == 0:
+        s, m, k = a.stage, a.micro, a.iteration
+        if a.kind in (Kind.F, Kind.R):
+            kind = a.kind if a.kind is Kind.R else Kind.F
+            if s > 0:
+                return after((kind, s - 1, m, k), s - 1, s, costs[s - 1].boundary)
+            back = k - 1 if a.kind is Kind.R else passes.get(m, 0) - 1
+            if back < 0:
                 return 0.0
-            t = end.get((Kind.F, s - 1, m))
-            apart = rank_of[s - 1] != rank_of[s] or rank_of[s] is None
-            return None if t is None else t + (send(costs[s - 1].boundary) if apart else 0.0)
+            return after((Kind.R, last, m, back), last, 0, costs[last].recycled)
         if a.kind is Kind.W:
-            return end.get((Kind.I, s, m))
-        t = end.get((Kind.F, s, m))
+            return end.get((Kind.I, s, m, 0))
+        t = end.get((Kind.F, s, m, 0))
         if t is None:
             return None
         if s + 1 < stages:
@@ -136,7 +154,7 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
 
     def run_on(ranks: list[int], a: Action, start: float) -> None:
         dur = _cost(a, costs[a.stage])
-        end[(a.kind, a.stage, a.micro)] = start + dur
+        end[_key(a)] = start + dur
         for q in ranks:
             clock[q] = start + dur
             busy[q] += dur
@@ -149,7 +167,7 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
         for r, acts in compute.items():
             while done[r] < len(acts):
                 a = acts[done[r]]
-                key = (a.kind, a.stage, a.micro)
+                key = _key(a)
                 t = ready(a)
                 if t is None:
                     break
@@ -196,6 +214,10 @@ def _memory(compute: dict[int, list[Action]], costs: Sequence[StageCost]
                 live.pop(key, None)
         in_flight[r], peak[r] = most, top
     return in_flight, peak
+
+
+def _key(a: Action) -> tuple[Kind, int, int, int]:
+    return (a.kind, a.stage, a.micro, a.iteration)
 
 
 __all__ = ["PipelineStep", "StageCost", "simulate_schedule"]

@@ -13,7 +13,8 @@ tags its tasks). Per stage, on the ranks of its group (the slowest of them):
 
 :func:`~torchweave.sim.pipeline.simulate_schedule` runs the plan's schedule
 with those costs, a point-to-point transfer between stage groups for each
-boundary. Gradient sync and the optimizer run after the pipeline flushes (the
+boundary (and, multi-forward, from the last stage back to stage 0 after each
+no-gradient pass). Gradient sync and the optimizer run after the pipeline flushes (the
 tasks of no stage), on each rank. Activations per rank are the schedule's
 peak: micro-batches in flight times their bytes.
 """
@@ -30,9 +31,10 @@ from torchweave.sim.pipeline import PipelineStep, StageCost, simulate_schedule
 from torchweave.sim.tasks import Footprint
 
 
-def stage_costs(plan: Plan, tasks: dict[int, list[Task]], feet: dict[int, Footprint]
-                ) -> list[StageCost]:
-    """One :class:`StageCost` per stage: the slowest rank of the stage's group."""
+def stage_costs(plan: Plan, tasks: dict[int, list[Task]], feet: dict[int, Footprint],
+                recycled: int = 0) -> list[StageCost]:
+    """One :class:`StageCost` per stage: the slowest rank of the stage's group; the last
+    stage sends ``recycled`` bytes per step back to stage 0 after each no-gradient pass."""
     pipe = plan.pipeline
     m = pipe.micro_batches
     out = []
@@ -51,16 +53,18 @@ def stage_costs(plan: Plan, tasks: dict[int, list[Task]], feet: dict[int, Footpr
         if s + 1 < pipe.stages:
             nxt = max(feet[r].boundary.get(s + 1, 0.0) for r in pipe.devices_of_stage(s + 1))
         out.append(StageCost(fwd=fwd / m, bwd=bwd / m, activations=int(act / m),
-                             inputs=int(inp / m), boundary=int(nxt / m)))
+                             inputs=int(inp / m), boundary=int(nxt / m),
+                             recycled=int(recycled / m) if s == pipe.stages - 1 else 0))
     return out
 
 
 def run_pipeline(plan: Plan, cluster: Cluster, tasks: dict[int, list[Task]],
-                 feet: dict[int, Footprint]) -> tuple[PipelineStep, dict[int, float], dict[int, float]]:
+                 feet: dict[int, Footprint], recycled: int = 0
+                 ) -> tuple[PipelineStep, dict[int, float], dict[int, float]]:
     """The schedule's step, and per rank the seconds after it (gradient sync, optimizer)
     and the communication seconds of the whole step."""
     pipe = plan.pipeline
-    costs = stage_costs(plan, tasks, feet)
+    costs = stage_costs(plan, tasks, feet, recycled)
     a = pipe.groups[0][0]
     b = pipe.groups[1][0] if len(pipe.groups) > 1 else a
 

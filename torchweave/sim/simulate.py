@@ -242,7 +242,13 @@ def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, m
     from torchweave.sim.pipelined import run_pipeline
 
     pipe = plan.pipeline
-    step, tail, comm = run_pipeline(plan, cluster, tasks, feet)
+    recycled = 0
+    if pipe.recycle is not None:
+        from torchweave.plan.recycle import resolve_links
+
+        recycled = sum(graph.values[link.output].meta.nbytes
+                       for link in resolve_links(graph, pipe.recycle)[0])
+    step, tail, comm = run_pipeline(plan, cluster, tasks, feet, recycled)
     ranks = sorted(tasks)
     k = {r: pipe.rank_of_device(r) for r in ranks}
     total = step.step_time + max(tail.values(), default=0.0)
@@ -251,7 +257,8 @@ def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, m
     # The timeline: each pipeline rank's actions on every device of its group.
     events = [Event(d, "compute", str(a), t0, t1) for k_, t0, t1, a in step.events
               for d in pipe.groups[k_]] if timeline else []
-    notes = (f"{pipe.kind} schedule, {pipe.stages} stages, {pipe.micro_batches} micro-batches: "
+    passes = f", {pipe.passes} forward passes each" if pipe.passes > 1 else ""
+    notes = (f"{pipe.kind} schedule, {pipe.stages} stages, {pipe.micro_batches} micro-batches{passes}: "
              f"bubble {step.bubble_fraction:.1%}, micro-batches in flight per pipeline rank "
              f"{[step.in_flight[i] for i in sorted(step.in_flight)]}",)
     return assemble(
