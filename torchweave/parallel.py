@@ -56,7 +56,20 @@ def model_state(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]
 
 
 def _capture(model: torch.nn.Module, example_inputs: tuple[Any, ...], micro_batches: int,
-             precision: str) -> Graph:
+             precision: str, graphs: dict | None = None) -> Graph:
+    """The graph of one micro-batch; ``graphs`` caches it per (model, input shapes, micro, precision)."""
+    key = (id(model), micro_batches, precision, tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs))
+    if graphs is not None and key in graphs:
+        return graphs[key]
+    graph = _capture_once(model, example_inputs, micro_batches, precision)
+    if graphs is not None:
+        graphs[key] = graph
+    return graph
+
+
+def _capture_once(model: torch.nn.Module, example_inputs: tuple[Any, ...], micro_batches: int,
+                  precision: str) -> Graph:
     if micro_batches > 1:
         bad = [i for i, x in enumerate(example_inputs)
                if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % micro_batches)]
@@ -80,20 +93,23 @@ def _capture(model: torch.nn.Module, example_inputs: tuple[Any, ...], micro_batc
 
 def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
                  world_size: int, code_dir: str | None = None, micro_batches: int = 1,
-                 precision: str = "fp32", only_rank: int | None = None) -> Compiled:
+                 precision: str = "fp32", only_rank: int | None = None,
+                 graphs: dict | None = None) -> Compiled:
     """Capture, resolve and validate the plan, lower it and write each rank's code.
 
     With ``micro_batches`` > 1 the graph is captured on one micro-batch (the
     first 1/k of each input's dim 0), the shape every forward then sees. With
     ``precision="bf16"`` it is captured on a bf16 copy on the meta device, so the
-    model's own casts (norms in fp32, say) are kept as written.
+    model's own casts (norms in fp32, say) are kept as written. ``graphs``: a
+    cache of captures shared by several plans of the same models (graphs are
+    read, never changed, by planning and lowering).
     """
-    graph = _capture(model, example_inputs, micro_batches, precision)
+    graph = _capture(model, example_inputs, micro_batches, precision, graphs)
     resolved = resolve(plan, graph, world_size)
     pipe = resolved.pipeline
     if pipe is not None and pipe.micro_batches > 1 and micro_batches == 1:
         # a pipeline's forward sees one micro-batch: capture that shape, plan again on it
-        graph = _capture(model, example_inputs, pipe.micro_batches, precision)
+        graph = _capture(model, example_inputs, pipe.micro_batches, precision, graphs)
         if not isinstance(plan, Plan):
             resolved = resolve(plan, graph, world_size)
     validate(resolved, graph, world_size=world_size)

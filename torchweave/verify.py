@@ -167,12 +167,12 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
     Every plan is compiled and checked before anything starts. A case that
     raises on a rank is reported as failed; the others still run.
     """
-    compiled = []
+    compiled, graphs = [], {}  # one capture per model and shape, shared by its plans
     for i, c in enumerate(cases):
         sub = os.path.join(code_dir, f"case{i}") if code_dir else None
         compiled.append(compile_plan(c.model, c.inputs, c.plan, world_size=world_size, code_dir=sub,
                                      micro_batches=c.config.grad_accum,
-                                     precision=c.config.precision))
+                                     precision=c.config.precision, graphs=graphs))
     launch = launch or LaunchConfig(world_size=world_size, timeout_s=60.0)
     jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config) for comp, c in zip(compiled, cases)]
     results = spawn(_rank_run, launch, jobs)
