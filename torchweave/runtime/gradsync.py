@@ -6,6 +6,11 @@ reverse order of first use (the order backward produces gradients); when a
 bucket's last gradient arrives, its all-reduce starts asynchronously while
 backward goes on, as DDP does. Buckets always start in the same order on every
 rank, so collectives match. Each gradient is reduced exactly once per step.
+
+A caller that runs several backward passes per step (micro-batches, pipeline
+actions) says which gradients are final in the pass it is about to run
+(``enabled`` and ``allow``), and may mark gradients final that no hook sees
+(``mark_ready``: ones accumulated by hand, or never produced).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class GradSync:
         self.gc, self.overlap = gc, overlap
         self.buckets: list[Bucket] = []
         self.enabled = True
+        self.allow: set[int] | None = None
+        """When set, hooks count only the parameters (by ``id``) in it as final."""
         open_: dict[tuple[int, ...], Bucket] = {}
         for p, group in reversed(params):
             b = open_.get(group)
@@ -53,11 +60,25 @@ class GradSync:
                     p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p: torch.Tensor) -> None:
-        if not self.enabled:
+        if not self.enabled or (self.allow is not None and id(p) not in self.allow):
             return
         i, b = self._where[id(p)]
         b.ready.add(id(p))
         self._launch_ready()
+
+    def mark_ready(self, params: list[torch.Tensor]) -> None:
+        """These gradients are final for this step: start every bucket that is now complete."""
+        if not self.overlap:
+            return
+        for p in params:
+            if id(p) in self._where:
+                self._where[id(p)][1].ready.add(id(p))
+        self._launch_ready()
+
+    @property
+    def started(self) -> int:
+        """Buckets of this step whose sum has started."""
+        return self._next
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets):

@@ -18,9 +18,14 @@
   which reads them as inputs on pass ``k + 1`` (an ``R``, or the ``F``).
   Messages of different passes have different tags.
 
-After the last action, gradients are summed over their groups, ZeRO shards
-them, and clipping and the optimizer step follow, all as in
-:class:`~torchweave.runtime.executor.RankModule`, which this class extends.
+Gradient sync overlaps the schedule's tail: a replicated parameter's
+gradient is final after the last ``B`` or ``W`` of every stage on this rank
+that reads it, and its bucket's all-reduce starts then (during that backward,
+from the gradient hooks, or right after the action for gradients accumulated
+by hand, as ``W`` does), while the rank goes on with its other actions. ZeRO
+shards the gradients after the last action; clipping and the optimizer step
+follow, all as in :class:`~torchweave.runtime.executor.RankModule`, which this
+class extends.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch.distributed as dist
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import Boundary, RecycleLink, Segment
+from torchweave.lower.stages import reads
 from torchweave.plan.schedules import Action, Kind
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
@@ -77,6 +83,8 @@ class StepStats:
     """Time blocked in receives: idle, waiting for another stage."""
     peak_live: int = 0
     """Most (stage, micro-batch) pairs between their F and their last backward action."""
+    early_buckets: int = 0
+    """Gradient buckets whose sum started before this rank's last action (overlapped with compute)."""
 
 
 class PipelineModule(RankModule):
@@ -90,12 +98,34 @@ class PipelineModule(RankModule):
                 obj="StepConfig.grad_accum", value=str(self.config.grad_accum),
                 rule="a pipelined plan takes its micro-batches from the plan",
                 fix=f"set grad_accum=1 (the plan runs {prog.micro_batches} micro-batches)"))
-        self.sync.enabled = False  # gradients are summed once, after the last action
+        self.sync.enabled = False  # only while an action runs that makes gradients final
         self.segments: dict[int, Segment] = {seg.stage: seg for seg in prog.segments}
         self.fns = {s: getattr(self.code, f"stage{s}") for s in self.segments}
         self.micro = prog.micro_batches
         self.passes = prog.passes
         self.stats = StepStats()
+        self._final = self._final_grads()
+        self._final_ids = [{id(p) for p in ps} for ps in self._final]
+
+    def _final_grads(self) -> list[list[torch.Tensor]]:
+        """Per action of this rank: the parameter pieces whose gradient is complete once it ran.
+
+        A piece is final after the last ``B`` or ``W`` of every stage (on this
+        rank) whose code reads it; one that no stage reads, after the first action.
+        """
+        local = {slot.local: self.params[slot.path] for slot in self.program.params if slot.path in self.params}
+        last = {a.stage: i for i, a in enumerate(self.program.actions) if a.kind in (Kind.B, Kind.W)}
+        done: dict[int, int] = {}
+        for s, seg in self.segments.items():
+            for ins in seg.instrs:
+                for name in reads(ins):
+                    if name in local:
+                        done[id(local[name])] = max(done.get(id(local[name]), 0), last.get(s, 0))
+        final: list[list[torch.Tensor]] = [[] for _ in self.program.actions]
+        for p, _ in self.trainable:
+            if final:
+                final[done.get(id(p), 0)].append(p)
+        return final
 
     # ------------------------------------------------------------ one step
     def backward_step(self, *batch: torch.Tensor) -> float:
@@ -110,10 +140,17 @@ class PipelineModule(RankModule):
         self._loss = 0.0
         self.stats = StepStats()
         start = time.perf_counter()
-        for action in self.program.actions:
+        for i, action in enumerate(self.program.actions):
+            final = self._final[i]
+            if i == len(self.program.actions) - 1:
+                self.stats.early_buckets = self.sync.started
+            if self.sync.overlap:
+                self.sync.enabled, self.sync.allow = bool(final), self._final_ids[i]
             self.run(action)
+            self.sync.mark_ready(final)
             self.stats.peak_live = max(self.stats.peak_live, len(self._live))
             self._drop_sent()
+        self.sync.enabled = False
         for work, _ in self._pending:
             work.wait()
         self._pending = []
