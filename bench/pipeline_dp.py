@@ -1,0 +1,149 @@
+"""Pipeline × data parallelism: torchweave's ``1f1b:dp=2`` beside PyTorch's pipelining over DDP.
+
+Four ranks, pp = 2 stages × dp = 2 replicas, the residual MLP stack of
+``bench/pipeline.py`` (8 blocks of Linear(512, 2048) → GELU → Linear(2048, 512),
+input [128, 512], loss ``out.pow(2).mean()``), m = 8 micro-batches per replica.
+
+- **torchweave**: the whole model, the whole batch and the plan
+  ``pipeline(graph, 4, schedule=..., dp=2, micro=8, cuts=...)``, cut at the
+  same blocks. The replicas' gradient sums come from the plan; a stage's
+  buckets start as soon as its last backward has produced them (the column
+  "tw"), or all after the last action (``StepConfig(overlap=False)``, the
+  column "tw, sums at the end").
+- **PyTorch**: each rank's stage wrapped in ``DistributedDataParallel`` over
+  its replica group and given to ``PipelineStage`` over its pipeline group,
+  under ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, which skip the
+  all-reduce (``no_sync``) on all but the last micro-batch's backward. Each
+  replica gets its half of the batch.
+
+Rank layout on both sides: pipeline position ``rank // 2``, replica
+``rank % 2`` (torchweave's layout for ``dp=2``). Both sides start from the same
+weights and step AdamW; timed steps alternate after a barrier; rank 0's median
+is reported, with the ratios. The loss column compares torchweave's loss with
+the mean of the two replicas' PyTorch losses.
+
+Run: python bench/pipeline_dp.py [--schedules 1f1b interleaved] [--micro 8] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from pipeline import BLOCKS, OPTIMIZER, make  # bench/pipeline.py (same folder)
+
+PP, DP = 2, 2
+
+
+def _stages(position: int, v: int) -> list[int]:
+    return [s for s in range(PP * v) if s % PP == position]
+
+
+def torch_side(ctx, schedule: str, micro: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    position, replica, v = ctx.rank // DP, ctx.rank % DP, 2 if schedule == "interleaved" else 1
+    pp_groups = [dist.new_group([j * DP + d for j in range(PP)]) for d in range(DP)]
+    dp_groups = [dist.new_group([j * DP + d for d in range(DP)]) for j in range(PP)]
+    model, x = make()
+    per = BLOCKS // (PP * v)
+    stages, params = [], []
+    for s in _stages(position, v):
+        mod = nn.Sequential(*[model.blocks[i] for i in range(s * per, (s + 1) * per)])
+        params += list(mod.parameters())
+        ddp = DDP(mod, process_group=dp_groups[position], bucket_cap_mb=25)
+        stages.append(PipelineStage(ddp, s, PP * v, torch.device("cpu"), group=pp_groups[replica]))
+    loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
+    sched = (ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn) if schedule == "interleaved"
+             else Schedule1F1B(stages[0], micro, loss_fn=loss_fn))
+    opt = OPTIMIZER(params)
+    half = x.chunk(DP)[replica]
+    first, last = 0 in _stages(position, v), PP * v - 1 in _stages(position, v)
+    target = torch.zeros(half.shape[0])
+
+    def step() -> float:
+        losses: list[torch.Tensor] = []
+        sched.step(*((half,) if first else ()), **({"target": target, "losses": losses} if last else {}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not last:
+            return float("nan")
+        loss = torch.stack(losses).detach().mean()
+        dist.all_reduce(loss, group=dp_groups[position])
+        return float(loss) / DP
+
+    return step
+
+
+def tw_side(ctx, schedule: str, micro: int, overlap: bool):
+    from torchweave.parallel import parallelize
+    from torchweave.policies.pipeline import pipeline
+    from torchweave.runtime.executor import StepConfig
+
+    v = 2 if schedule == "interleaved" else 1
+    model, x = make()
+
+    def plan(graph, world_size):
+        starts = [next(i for i, n in enumerate(graph.nodes) if n.module.startswith(f"blocks.{b}"))
+                  for b in range(BLOCKS)]
+        per = BLOCKS // (PP * v)
+        return pipeline(graph, world_size, schedule=schedule, dp=DP, micro=micro,
+                        cuts=[starts[s * per] for s in range(1, PP * v)])
+
+    module = parallelize(model, (x,), plan=plan, groups=ctx.groups, optimizer=OPTIMIZER,
+                         config=StepConfig(overlap=overlap, bucket_mb=25.0))
+    return lambda: module.train_step(x)
+
+
+def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[str, Any]:
+    sides = {"torch": torch_side(ctx, schedule, micro),
+             "tw": tw_side(ctx, schedule, micro, overlap=True),
+             "tw-end": tw_side(ctx, schedule, micro, overlap=False)}
+    times: dict[str, list[float]] = {n: [] for n in sides}
+    losses: dict[str, list[float]] = {n: [] for n in sides}
+    names = list(sides)
+    for i in range(warmup + steps):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[name].append(sides[name]())
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {n: {"ms": statistics.median(times[n]) * 1e3, "losses": losses[n]} for n in sides}
+
+
+def main() -> None:
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved"])
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    rows = ["| schedule | pp × dp | m | torchweave ms | tw, sums at the end ms | pipelining + DDP ms | "
+            "ratio tw/torch | ratio tw/sums at the end | max loss diff |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for schedule in args.schedules:
+        cfg = LaunchConfig(world_size=PP * DP, threads_per_rank=1, timeout_s=300.0)
+        results = spawn(rank_main, cfg, schedule, args.micro, args.warmup, args.steps)
+        r0, last = results[0], results[-1]  # rank 3 holds the last stage and its losses
+        diff = max(max(abs(a - b) for a, b in zip(last["tw"]["losses"], last[n]["losses"]))
+                   for n in ("torch", "tw-end"))
+        rows.append(f"| {schedule} | {PP} × {DP} | {args.micro} | {r0['tw']['ms']:.0f} | {r0['tw-end']['ms']:.0f} | "
+                    f"{r0['torch']['ms']:.0f} | {r0['tw']['ms'] / r0['torch']['ms']:.2f}x | "
+                    f"{r0['tw']['ms'] / r0['tw-end']['ms']:.2f}x | {diff:.1e} |")
+        print(rows[-1], flush=True)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
