@@ -151,3 +151,28 @@ def test_shared_stages_run_on_every_rank_at_once() -> None:
             starts.setdefault(e.name, set()).add(round(e.start, 12))
     assert starts and all(len(s) == 1 for s in starts.values())
     assert r.step_time > 0 and "interlaced" in r.notes[0]
+
+
+def test_gradient_sums_overlap_the_schedule_where_the_device_can() -> None:
+    """pp × dp, as the runtime runs it: a stage's sums start after its last backward.
+
+    Interleaved puts stages 0 and 2 on the first pipeline rank; stage 2's sums
+    run while stage 0 still computes. A device whose communication takes its
+    compute cores (``comm_overlaps_compute=False``) runs them after the last
+    action, and so does ZeRO-1 (it shards after the last action).
+    """
+    import dataclasses
+
+    from torchweave.policies.pipeline import pipeline
+    from torchweave.sim import parse_cluster, simulate
+
+    g = _gpt_meta(layers=4, batch=8)
+    fast = parse_cluster("4xA100-80GB-PCIe@1")  # replicas one node apart: slow sums
+    serial = dataclasses.replace(fast, device=dataclasses.replace(fast.device, comm_overlaps_compute=False))
+    plan = pipeline(g, 4, schedule="interleaved", dp=2, micro=4)
+    over, after = simulate(g, plan, fast), simulate(g, plan, serial)
+    assert over.step_time < after.step_time
+    assert over.compute_time == after.compute_time and over.comm_time == after.comm_time  # same work, earlier
+    # With ZeRO-1 both devices sum after the last action: no difference.
+    z = pipeline(g, 4, schedule="interleaved", dp=2, micro=4, zero=1)
+    assert simulate(g, z, fast).step_time == pytest.approx(simulate(g, z, serial).step_time)

@@ -248,10 +248,10 @@ def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, m
 
         recycled = sum(graph.values[link.output].meta.nbytes
                        for link in resolve_links(graph, pipe.recycle)[0])
-    step, tail, comm = run_pipeline(plan, cluster, tasks, feet, recycled)
+    step, tail, finish, comm = run_pipeline(plan, cluster, tasks, feet, recycled)
     ranks = sorted(tasks)
     k = {r: pipe.rank_of_device(r) for r in ranks}
-    total = step.step_time + max(tail.values(), default=0.0)
+    total = max([step.step_time, *finish.values()])
     extra = {r: feet[r].activations - sum(feet[r].stage_activations.values()) for r in ranks}
     acts = {r: step.activation_peak[k[r]] + max(0, extra[r]) // pipe.micro_batches for r in ranks}
     # The timeline: each pipeline rank's actions on every device of its group.
