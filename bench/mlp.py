@@ -1,4 +1,4 @@
-"""The residual MLP stack two benchmarks share (tensor parallelism, pipelines)."""
+"""The residual MLP stack the benchmarks share (tensor parallelism, pipelines), and its stage cuts."""
 
 from __future__ import annotations
 
@@ -29,3 +29,10 @@ class ResidualMLP(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x.pow(2).mean()
+
+
+def block_cuts(graph, blocks: int, stages: int) -> list[int]:
+    """Node indices that cut a captured stack of ``blocks`` blocks into ``stages`` equal stages."""
+    starts = [next(i for i, n in enumerate(graph.nodes) if n.module.startswith(f"blocks.{b}"))
+              for b in range(blocks)]
+    return [starts[s * (blocks // stages)] for s in range(1, stages)]

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from mlp import ResidualMLP  # bench/mlp.py (the script's folder is on sys.path)
+from mlp import ResidualMLP, block_cuts  # bench/mlp.py (the script's folder is on sys.path)
 
 BLOCKS, D, H, BATCH, SEED = 8, 512, 2048, 128, 0
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -131,11 +131,8 @@ def tw_side(ctx, schedule: str, micro: int):
     model, x = make()
 
     def plan(graph, world_size):
-        starts = [next(i for i, n in enumerate(graph.nodes) if n.module.startswith(f"blocks.{b}"))
-                  for b in range(BLOCKS)]
-        per = BLOCKS // (p * v)
         return pipeline(graph, world_size, schedule=schedule, micro=micro,
-                        cuts=[starts[s * per] for s in range(1, p * v)])
+                        cuts=block_cuts(graph, BLOCKS, p * v))
 
     module = parallelize(model, (x,), plan=plan, groups=ctx.groups, optimizer=OPTIMIZER)
     return (lambda: module.train_step(x)), module

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from pipeline import BLOCKS, OPTIMIZER, make  # bench/pipeline.py (same folder)
+from mlp import block_cuts  # bench/mlp.py (the script's folder is on sys.path)
+from pipeline import BLOCKS, OPTIMIZER, make  # bench/pipeline.py
 
 PP, DP = 2, 2
 
@@ -91,11 +92,8 @@ def tw_side(ctx, schedule: str, micro: int, overlap: bool):
     model, x = make()
 
     def plan(graph, world_size):
-        starts = [next(i for i, n in enumerate(graph.nodes) if n.module.startswith(f"blocks.{b}"))
-                  for b in range(BLOCKS)]
-        per = BLOCKS // (PP * v)
         return pipeline(graph, world_size, schedule=schedule, dp=DP, micro=micro,
-                        cuts=[starts[s * per] for s in range(1, PP * v)])
+                        cuts=block_cuts(graph, BLOCKS, PP * v))
 
     module = parallelize(model, (x,), plan=plan, groups=ctx.groups, optimizer=OPTIMIZER,
                          config=StepConfig(overlap=overlap, bucket_mb=25.0))

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from mlp import Block  # bench/mlp.py (the script's folder is on sys.path)
+from mlp import Block, block_cuts  # bench/mlp.py (the script's folder is on sys.path)
 
 BLOCKS, D, H, BATCH, SEED = 8, 256, 1024, 64, 0
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -85,12 +85,6 @@ def make() -> tuple[RecyclingMLP, torch.Tensor, torch.Tensor]:
     return RecyclingMLP(), x, torch.zeros(BATCH, D)
 
 
-def _cuts(graph, stages: int) -> list[int]:
-    starts = [next(i for i, n in enumerate(graph.nodes) if n.module.startswith(f"blocks.{b}"))
-              for b in range(BLOCKS)]
-    return [starts[s * (BLOCKS // stages)] for s in range(1, stages)]
-
-
 def _virtual(schedule: str) -> int:
     return 2 if schedule == "interleaved" else 1
 
@@ -105,7 +99,7 @@ def tw_side(ctx, schedule: str, micro: int, passes: int, order: str):
     def plan(graph, world_size):
         stages = world_size * _virtual(schedule)
         out = with_recycle(pipeline(graph, world_size, schedule=schedule, micro=micro,
-                                    cuts=_cuts(graph, stages)), graph, passes)
+                                    cuts=block_cuts(graph, BLOCKS, stages)), graph, passes)
         if order == "greedy":
             pipe = out.pipeline
             base = {r: [a for a in acts if a.kind.value != "R"] for r, acts in pipe.schedule.items()}
