@@ -115,15 +115,13 @@ class PipelineModule(RankModule):
         """
         local = {slot.local: self.params[slot.path] for slot in self.program.params if slot.path in self.params}
         last = {a.stage: i for i, a in enumerate(self.program.actions) if a.kind in (Kind.B, Kind.W)}
-        done: dict[int, int] = {}
+        done: dict[int, int] = {}  # id of a piece -> index of the action after which it is final
         for s, seg in self.segments.items():
-            for ins in seg.instrs:
-                for name in reads(ins):
-                    if name in local:
-                        done[id(local[name])] = max(done.get(id(local[name]), 0), last.get(s, 0))
+            for name in {n for ins in seg.instrs for n in reads(ins) if n in local}:
+                done[id(local[name])] = max(done.get(id(local[name]), 0), last.get(s, 0))
         final: list[list[torch.Tensor]] = [[] for _ in self.program.actions]
-        for p, _ in self.trainable:
-            if final:
+        if final:
+            for p, _ in self.trainable:
                 final[done.get(id(p), 0)].append(p)
         return final
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from torchweave.plan.plan import Plan
+from torchweave.plan.schedules import Kind
 from torchweave.sim.cluster import Cluster
 from torchweave.sim.comm import Collective, collective_time
 from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
-from torchweave.plan.schedules import Kind
 from torchweave.sim.pipeline import PipelineStep, StageCost, simulate_schedule
 from torchweave.sim.tasks import Footprint
 
