@@ -37,6 +37,8 @@ def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def pytest_addoption(parser) -> None:
     parser.addoption("--random-plans", type=int, default=30,
                      help="how many seeded random plans the random-plan test verifies")
+    parser.addoption("--fuzz-plans", type=int, default=40,
+                     help="how many drawn plans the fuzz test runs (at least 40)")
 
 
 def assert_grads_match_model(module, model: torch.nn.Module, inputs, loss: float) -> None:

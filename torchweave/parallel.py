@@ -85,10 +85,27 @@ def _capture_once(model: torch.nn.Module, example_inputs: tuple[Any, ...], micro
                                for x in example_inputs)
     target, inputs = model, example_inputs
     if precision == "bf16":
-        target = copy.deepcopy(model).to(device="meta", dtype=torch.bfloat16)
+        target = _meta_copy(model, torch.bfloat16)
         inputs = tuple(x.to(device="meta", dtype=torch.bfloat16 if x.is_floating_point() else x.dtype)
                        if isinstance(x, torch.Tensor) else x for x in example_inputs)
     return capture(target, inputs)
+
+
+def _meta_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on the meta device with floating tensors in ``dtype``, tied weights still tied.
+
+    (``module.to("meta")`` makes a new parameter per module, so a tied pair would
+    become two parameters, each trained on half its gradient.)
+    """
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype)
+        return torch.nn.Parameter(out, t.requires_grad) if isinstance(t, torch.nn.Parameter) else out
+
+    tensors = [t for _, t in (*model.named_parameters(remove_duplicate=False),
+                              *model.named_buffers(remove_duplicate=False))]
+    # deepcopy takes each tensor's copy from the memo: no data is copied, and a tensor
+    # shared by two modules maps to one meta tensor
+    return copy.deepcopy(model, {id(t): meta(t) for t in tensors})
 
 
 def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,

@@ -174,29 +174,41 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
                                      micro_batches=c.config.grad_accum,
                                      precision=c.config.precision, graphs=graphs))
     launch = launch or LaunchConfig(world_size=world_size, timeout_s=60.0)
+    return run_compiled(cases, compiled, launch=launch, tolerance=tolerance)
+
+
+def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchConfig,
+                 tolerance: float = 1e-5) -> list[Report]:
+    """Run already compiled cases in one launch and compare each with one device.
+
+    A case that raises on a rank is reported as failed; a rank that dies or
+    times out fails the whole launch (:class:`~torchweave.runtime.launch.RankFailedError`).
+    """
     jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config) for comp, c in zip(compiled, cases)]
     results = spawn(_rank_run, launch, jobs)
-    reports = []
-    for i, (case, comp) in enumerate(zip(cases, compiled)):
-        per_rank = [r[i] for r in results]
-        report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance)
-        errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
-        if errors:
-            report.error = "; ".join(errors)
-            reports.append(report)
-            continue
-        config = case.config
-        if comp.plan.pipeline is not None:  # one device runs the same micro-batches
-            config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
-        ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config,
-                         _recycle_of(comp))
-        report.comm = per_rank[0]["comm"]
-        report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
-        shapes = {p.target: p.meta.shape for p in comp.graph.params()}
-        compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
-                _assemble([r["params"] for r in per_rank], shapes))
-        reports.append(report)
-    return reports
+    return [_report(case, comp, [r[i] for r in results], launch.world_size, tolerance)
+            for i, (case, comp) in enumerate(zip(cases, compiled))]
+
+
+def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_size: int,
+            tolerance: float) -> Report:
+    """One case's report from every rank's results and a one-device run."""
+    report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance)
+    errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
+    if errors:
+        report.error = "; ".join(errors)
+        return report
+    config = case.config
+    if comp.plan.pipeline is not None:  # one device runs the same micro-batches
+        config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
+    ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config,
+                     _recycle_of(comp))
+    report.comm = per_rank[0]["comm"]
+    report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
+    shapes = {p.target: p.meta.shape for p in comp.graph.params()}
+    compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
+            _assemble([r["params"] for r in per_rank], shapes))
+    return report
 
 
 def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],

@@ -1,0 +1,26 @@
+"""The plan-space fuzzer in CI: 40 seeded plans over the whole space, each rejected before
+launch with torchweave's own error or verified against one device (``bench/fuzz.py``
+runs more; its 1,000-plan report is in bench/README.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchweave.fuzz import MODELS, draw, run, table
+
+PLANS = 40
+
+
+@pytest.mark.dist
+def test_drawn_plans_are_rejected_before_launch_or_match_one_device(tmp_path, request) -> None:
+    pytest.importorskip("transformers")
+    count = max(PLANS, request.config.getoption("--fuzz-plans"))
+    draws = [draw(seed) for seed in range(count)]
+    assert {d.model for d in draws} >= set(MODELS) - {"recycler-tiny"}, "draws cover the families"
+    outcomes = run(draws, out_dir=tmp_path)
+    print(table(outcomes))
+    failed = [f"seed {o.draw.seed} ({o.draw.model}, {o.draw.world_size} ranks, {o.draw.plan}, "
+              f"{o.draw.step}): {o.detail}" for o in outcomes if o.status == "failed"]
+    assert not failed, "\n\n".join(failed)
+    verified = sum(o.status == "verified" for o in outcomes)
+    assert verified >= count // 2, f"only {verified} of {count} drawn plans ran: the draw is too often invalid"
