@@ -124,6 +124,12 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     graph = _capture(model, example_inputs, micro_batches, precision, graphs)
     resolved = resolve(plan, graph, world_size)
     pipe = resolved.pipeline
+    if pipe is not None and micro_batches > 1:
+        raise TorchweaveError(Problem(
+            obj="StepConfig.grad_accum", value=str(micro_batches),
+            rule=f"a pipelined plan ({resolved.name!r}) takes its micro-batches from the plan",
+            fix=f"set grad_accum=1 (the plan runs {pipe.micro_batches} micro-batches), or raise "
+                "the plan's micro (e.g. '1f1b:micro=8')"))
     if pipe is not None and pipe.micro_batches > 1 and micro_batches == 1:
         # a pipeline's forward sees one micro-batch: capture that shape, plan again on it
         graph = _capture(model, example_inputs, pipe.micro_batches, precision, graphs)

@@ -24,3 +24,18 @@ def test_drawn_plans_are_rejected_before_launch_or_match_one_device(tmp_path, re
     assert not failed, "\n\n".join(failed)
     verified = sum(o.status == "verified" for o in outcomes)
     assert verified >= count // 2, f"only {verified} of {count} drawn plans ran: the draw is too often invalid"
+
+
+@pytest.mark.dist
+def test_the_fuzzers_findings_stay_fixed(tmp_path) -> None:
+    """Each file in fuzz_regressions/ is a case the fuzzer once failed (named for the bug);
+    each must now verify, or be rejected before launch where the plan is invalid."""
+    from pathlib import Path
+
+    from torchweave.fuzz import Draw
+
+    draws = [Draw.from_json(p.read_text())
+             for p in sorted((Path(__file__).parent / "fuzz_regressions").glob("*.json"))]
+    outcomes = run(draws, out_dir=tmp_path)
+    assert [o.status for o in outcomes] == ["verified"] * len(draws), \
+        "\n\n".join(f"{o.draw}: {o.detail}" for o in outcomes if o.status != "verified")

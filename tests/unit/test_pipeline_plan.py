@@ -241,3 +241,14 @@ def test_one_stage_pipeline_runs_in_process_and_matches_the_model(tmp_path) -> N
     big = tuple(torch.cat([x, x]) for x in inputs)  # each micro-batch is the example batch
     assert_grads_match_model(module, model, inputs, module.backward_step(*big))
     assert module.stats.peak_live == 2 and module.stats.wait_s == 0.0
+
+
+def test_accumulation_with_a_pipeline_is_refused_before_any_code_is_written(tmp_path) -> None:
+    """Found by bench/fuzz.py: the refusal came from every rank after launch."""
+    from torchweave.parallel import compile_plan
+
+    model, inputs = built("gpt-tiny")[:2]
+    with pytest.raises(TorchweaveError, match=r"(?s)grad_accum.*takes its micro-batches from the plan"):
+        compile_plan(model, inputs, "1f1b:micro=2", world_size=2, micro_batches=2,
+                     code_dir=str(tmp_path / "code"))
+    assert not (tmp_path / "code").exists()

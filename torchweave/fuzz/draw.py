@@ -56,6 +56,9 @@ class Draw:
     """StepConfig fields."""
     optimizer: str = "adamw"
     """``adamw`` or ``sgd`` (momentum 0.9)."""
+    dtype: str = "float64"
+    """The model's parameters and float inputs: ``float64`` (rounding about 1e-15, so AdamW
+    cannot turn rounding into steps of size lr) or ``float32`` (bf16 runs cast from it)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -64,7 +67,8 @@ class Draw:
     def from_json(text: str) -> "Draw":
         d = json.loads(text)
         return Draw(seed=int(d["seed"]), model=str(d["model"]), world_size=int(d["world_size"]),
-                    plan=dict(d["plan"]), step=dict(d["step"]), optimizer=str(d["optimizer"]))
+                    plan=dict(d["plan"]), step=dict(d["step"]), optimizer=str(d["optimizer"]),
+                    dtype=str(d.get("dtype", "float64")))
 
     def features(self) -> list[str]:
         """The features this draw exercises, for the table."""
@@ -91,8 +95,7 @@ class Draw:
             out.append("co-shard")
         if s.get("grad_accum", 1) > 1:
             out.append("accumulation")
-        if s.get("precision") == "bf16":
-            out.append("bf16")
+        out.append("bf16" if s.get("precision") == "bf16" else self.dtype)
         if s.get("clip_grad_norm"):
             out.append("clipping")
         if self.optimizer == "sgd":
@@ -152,16 +155,20 @@ def draw(seed: int, *, models: tuple[str, ...] = MODELS, world_sizes: tuple[int,
         plan["micro"] = rng.choice([m for m in (ws, 2 * ws) if BATCH % m == 0] or [ws])
     if rng.random() < 0.3:
         plan["recompute"] = [rng.random() for _ in range(rng.choice([1, 2]))]
-    if rng.random() < 0.25:
-        step["precision"] = "bf16"
+    dtype = rng.choices(["float64", "float32", "bf16"], weights=[6, 2, 2])[0]
+    if dtype == "bf16":
+        step["precision"], dtype = "bf16", "float32"
     if rng.random() < 0.2:
         step["clip_grad_norm"] = rng.choice([0.05, 1.0])
     if rng.random() < 0.3:
         step["bucket_mb"] = 0.02
     if rng.random() < 0.2:
         step["overlap"] = False
+    optimizer = rng.choice(["adamw", "adamw", "sgd"])
+    if dtype == "float32":  # AdamW turns float32 rounding in tiny gradients into steps of lr
+        optimizer = "sgd"
     return Draw(seed=seed, model=model, world_size=ws, plan=plan, step=step,
-                optimizer=rng.choice(["adamw", "adamw", "sgd"]))
+                optimizer=optimizer, dtype=dtype)
 
 
 def build_plan(d: Draw, graph: Graph, world_size: int) -> Plan:

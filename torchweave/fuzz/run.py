@@ -33,8 +33,9 @@ from torchweave.runtime.launch import LaunchConfig, RankFailedError
 from torchweave.verify import Case, Report, run_compiled
 
 Status = Literal["rejected", "verified", "failed"]
-TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
-"""Largest relative difference from one device, by compute precision."""
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 5e-2}
+"""Largest relative difference from one device, by the lowest float precision in the graph
+(a float64 model may still compute its loss in float32, as transformers models do)."""
 
 
 @dataclass
@@ -57,9 +58,10 @@ OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
 
 
 @functools.lru_cache(maxsize=None)
-def example(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+def example(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """A bundled model, seeded, on a global batch of :data:`BATCH` rows (rows past the
-    factory's own are new data, so that no two data-parallel shards are equal)."""
+    factory's own are new data, so that no two data-parallel shards are equal), with its
+    parameters and float inputs in ``dtype``."""
     from torchweave.models import FACTORIES
 
     torch.manual_seed(0)
@@ -69,12 +71,13 @@ def example(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
         inputs = tuple(torch.cat([x, x.roll(1, dims=-1) if not x.is_floating_point()
                                   else x + 0.5 * torch.randn(x.shape, generator=g)])
                        for x in inputs)
-    return model, tuple(x[:BATCH] for x in inputs)
+    to = getattr(torch, dtype)
+    return model.to(to), tuple((x.to(to) if x.is_floating_point() else x)[:BATCH] for x in inputs)
 
 
 def case_of(d: Draw, plan: Any = None) -> Case:
     """The verify case of a draw; ``plan`` overrides the drawn plan (a replayed plan.json)."""
-    model, inputs = example(d.model)
+    model, inputs = example(d.model, d.dtype)
     builder = plan if plan is not None else functools.partial(build_plan, d)
     return Case(model, inputs, builder, steps=2, optimizer=OPTIMIZERS[d.optimizer],
                 config=StepConfig(**d.step), name=f"seed {d.seed}")
@@ -136,11 +139,18 @@ def _verify(group: list[tuple[Draw, Case, Compiled]], ws: int, timeout_s: float
         d, _, comp = group[0]
         return [(Outcome(d, "failed", f"launch failed (crash or hang): {_first_line(e)}\n"
                                       f"{e.traceback}"), comp)]
-    return [(_judge(d, r), comp) for (d, _, comp), r in zip(group, reports)]
+    return [(_judge(d, r, comp), comp) for (d, _, comp), r in zip(group, reports)]
 
 
-def _judge(d: Draw, r: Report) -> Outcome:
-    r.tolerance = TOLERANCE[d.step.get("precision", "fp32")]
+def tolerance(comp: Compiled) -> float:
+    """The tolerance of the lowest float precision that the captured graph computes in."""
+    dtypes = {m.dtype for n in comp.graph.nodes for m in comp.graph.output_metas(n)
+              if m is not None and m.dtype.is_floating_point}
+    return max(TOLERANCE.get(t, TOLERANCE[torch.bfloat16]) for t in dtypes or {torch.float32})
+
+
+def _judge(d: Draw, r: Report, comp: Compiled) -> Outcome:
+    r.tolerance = tolerance(comp)
     if r.ok:
         return Outcome(d, "verified")
     return Outcome(d, "failed", ("rank error: " + r.error) if r.error else f"mismatch\n{r}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchweave.models.upcast import upcast
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.type_as(x)
 
@@ -167,4 +168,4 @@ class Llama(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())

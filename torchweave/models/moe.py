@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchweave.models.upcast import upcast
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +84,7 @@ class MoELayer(nn.Module):
         """``x``: [S, d] -> combine [S, E, C], dispatch [S, E, C] and the load-balancing loss."""
         S, E = x.shape[0], self.n_expert
         C = expert_capacity(S, E, self.top_k, self.capacity_factor)
-        probs = F.softmax(self.router(x).float(), dim=-1)  # [S, E]
+        probs = F.softmax(upcast(self.router(x)), dim=-1)  # [S, E]
         gate_vals, gate_idx = torch.topk(probs, self.top_k, dim=-1)  # [S, k]
         gate_vals = gate_vals / gate_vals.sum(-1, keepdim=True)
 
@@ -182,5 +183,5 @@ class MoEGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
         return loss + self.cfg.aux_loss_coef * aux_total / len(self.blocks)

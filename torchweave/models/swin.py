@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchweave.models.upcast import upcast
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,4 +210,4 @@ class Swin(nn.Module):
         logits = self.head(self.norm(x).mean(dim=(1, 2)))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float(), labels)
+        return F.cross_entropy(upcast(logits), labels)

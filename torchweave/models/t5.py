@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchweave.models.upcast import upcast
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +55,7 @@ class T5LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.type_as(x)
 
@@ -216,4 +217,4 @@ class T5(nn.Module):
         logits = self.lm_head(self.dec_norm(y))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return F.cross_entropy(upcast(logits.flatten(0, 1)), labels.flatten())

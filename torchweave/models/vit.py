@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchweave.models.upcast import upcast
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,4 +118,4 @@ class ViT(nn.Module):
         logits = self.head(self.ln_f(x[:, 0]))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float(), labels)
+        return F.cross_entropy(upcast(logits), labels)

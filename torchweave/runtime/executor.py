@@ -174,12 +174,15 @@ class RankModule:
             self.optimizer.zero_grad(set_to_none=True)
 
     def loss_value(self, local: float) -> float:
+        """The loss on every rank: each partial term counted once, however many ranks hold it."""
         prog = self.program
         if prog.loss_group is None:
             return local
-        t = torch.tensor([local], dtype=torch.float64, device=self.rt.device)
-        dist.all_reduce(t, group=self.rt.gc.get(prog.loss_group))
-        return float(t.item())
+        index, count = prog.loss_partial
+        buf = torch.zeros(2 * count, dtype=torch.float64, device=self.rt.device)
+        buf[index], buf[count + index] = local, 1.0
+        dist.all_reduce(buf, group=self.rt.gc.get(prog.loss_group))
+        return float((buf[:count] / buf[count:]).sum())
 
     def grad_norm(self) -> float:
         """The global gradient norm: each distinct piece counted once."""
