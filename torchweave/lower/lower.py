@@ -261,6 +261,12 @@ class Lowering:
                     group = tuple(sorted(e for e, q in held.items() if q.box == piece.box))
                     prog.loss_group = group
                     self.groups.setdefault(group, len(self.groups))
+        plan = self.plan
+        if plan.zero and plan.mesh is not None and plan.zero_axis in plan.mesh.names():
+            # every rank creates every ZeRO group (process groups are created collectively),
+            # also where a device order makes them differ from the gradient groups
+            for g in plan.mesh.groups(plan.zero_axis):
+                self.groups.setdefault(g, len(self.groups))
         ordered = sorted(self.groups, key=self.groups.get)
         for prog in self.programs:
             prog.groups = ordered

@@ -53,6 +53,8 @@ class _Units:
     def __init__(self, pieces: list[torch.Tensor], keys: list[str], size: int,
                  budget: int = UNIT_BYTES) -> None:
         self.size = size
+        self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in pieces) else torch.float32
+        """Master weights, optimizer state and gradient shards: fp32, or fp64 for a float64 model."""
         self.shapes = [tuple(p.shape) for p in pieces]
         self.numels = [p.numel() for p in pieces]
         self.units: list[list[int]] = []
@@ -82,9 +84,9 @@ class _Units:
         self.total = sum(self.cols)
 
     def flat(self, u: int, tensors: list[torch.Tensor | None], *,
-             dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
-        """Unit ``u``'s pieces (``None``: zeros) → its padded flat buffer."""
-        buf = torch.empty(self.cols[u] * self.size, dtype=dtype, device=device)
+             dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        """Unit ``u``'s pieces (``None``: zeros) → its padded flat buffer (master dtype by default)."""
+        buf = torch.empty(self.cols[u] * self.size, dtype=dtype or self.dtype, device=device)
         end = 0
         for i, t in zip(self.units[u], tensors):
             o, n = self.offsets[i], self.numels[i]
@@ -104,7 +106,7 @@ class _Units:
     def to_rows(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Pieces → ``[group, C]`` (row k is member k's shard of every unit)."""
         dev = tensors[0].device if tensors else None
-        rows = torch.empty(self.size, self.total, dtype=torch.float32, device=dev)
+        rows = torch.empty(self.size, self.total, dtype=self.dtype, device=dev)
         for u, idx in enumerate(self.units):
             s, c = self.starts[u], self.cols[u]
             rows[:, s:s + c] = self.flat(u, [tensors[i] for i in idx], device=dev).view(self.size, c)

@@ -67,8 +67,9 @@ class Stage3:
     def __init__(self, zero: Any) -> None:
         self.z, self.L = zero, zero.layout
         self.n_units = len(self.L.units)
-        self.dtypes: list[torch.dtype | None] = [torch.float32] * self.n_units
-        """Dtype each unit is gathered in (None: pieces of several dtypes; gathered in fp32)."""
+        self.dtypes: list[torch.dtype | None] = [self.L.dtype] * self.n_units
+        """Dtype each unit is gathered in (None: pieces of several dtypes; gathered in the
+        master dtype)."""
         self.piece_dtypes: list[torch.dtype] = list(zero.dtypes)
         """Dtype each piece is handed out in (after the forward's cast)."""
         self.prefetched: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
@@ -88,7 +89,7 @@ class Stage3:
     # ------------------------------------------------------------ collectives
     def _start(self, u: int, direction: Direction, async_op: bool):
         z, s, c = self.z, self.L.starts[u], self.L.cols[u]
-        shard = z.master.detach()[s:s + c].to(self.dtypes[u] or torch.float32)
+        shard = z.master.detach()[s:s + c].to(self.dtypes[u] or self.L.dtype)
         buf = torch.empty(c * z.size, dtype=shard.dtype, device=shard.device)
         z.gc.counter.record(CommKind.ALL_GATHER, direction, z.group,
                             shard.numel() * shard.element_size())
