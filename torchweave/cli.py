@@ -8,6 +8,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 
 from torchweave.errors import TorchweaveError
 
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args, console))
     except TorchweaveError as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", markup=True, highlight=False)
         return 2
 
 

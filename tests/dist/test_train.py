@@ -165,3 +165,25 @@ def test_a_failed_checkpoint_write_is_logged_and_training_goes_on(tmp_path: Path
     assert sorted((p.name, p.stat().st_size) for p in good.iterdir()) == before
     third, _ = _run(tmp_path, "--steps=4", "--model.kwargs.dropout=0.0")
     assert third.start_step == 3 and third.losses[4] == second.losses[4]
+
+
+def test_a_crafted_newest_checkpoint_stops_the_resume_and_runs_nothing(tmp_path: Path) -> None:
+    """Resume refuses it with an error naming its file; moved away, resume takes the last good one."""
+    from tests.hostile import hostile_pickles, plant
+
+    cfg = ("--checkpoint.every=2", "--model.kwargs.dropout=0.0")
+    _run(tmp_path, "--steps=4", *cfg)
+    ckpt = tmp_path / "checkpoints"
+    marker = tmp_path / "marker"
+    payload, target = hostile_pickles(marker)["dotted under a DCP module"]
+    bad = plant(ckpt / "step-4", 6, payload)
+    with pytest.raises(RankFailedError) as info:
+        _run(tmp_path, "--steps=8", *cfg)
+    text = str(info.value)
+    assert f"{bad / '.metadata'} tries to load {target}" in text, text
+    assert f"load {ckpt / 'step-4'} explicitly" in text
+    assert not marker.exists()
+    shutil.move(bad, tmp_path / "quarantine")
+    resumed, _ = _run(tmp_path, "--steps=5", *cfg)
+    assert resumed.start_step == 4 and sorted(resumed.losses) == [5]
+    assert not marker.exists()

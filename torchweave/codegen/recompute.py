@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterator, Union
 
+from torchweave.codegen.safe import comment
 from torchweave.lower.program import Comm, Compute, Free, Instr, Program
 from torchweave.lower.stages import reads, writes
 
@@ -48,8 +49,8 @@ class RecomputeRun:
             for prm in first_use.get(i, []):
                 box = ", ".join(f"{a}:{b}" for a, b in prm.box)
                 lines.append(f"    {prm.local} = p[{prm.path!r}]  # [{box}] of {tuple(prm.full_shape)}")
-        lines.append(f"    def {name}({', '.join(inputs)}):  # {label}: "
-                     f"{', '.join(nodes[:6])}{' …' if len(nodes) > 6 else ''}")
+        shown = ", ".join(nodes[:6]) + (" …" if len(nodes) > 6 else "")
+        lines.append(f"    def {name}({', '.join(inputs)}):  # {label}: {comment(shown)}")
         lines += ["    " + line(prog, ins) for ins in body]
         tup = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
         lines.append(f"        return ({tup})")

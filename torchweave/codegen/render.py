@@ -2,7 +2,8 @@
 
 One operation per line, each with a shape and annotation comment, a header that
 names the plan, the rank and its groups. The runtime imports and runs exactly
-this code.
+this code. Names in it are checked to be identifiers, and every other string
+from the plan or the graph is escaped (:mod:`torchweave.codegen.safe`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from torchweave.codegen.recompute import RecomputeRun, recompute_runs
+from torchweave.codegen.safe import check, comment, doc
 from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program, Segment
 from torchweave.lower.stages import reads
 from torchweave.lower.steps import (
@@ -99,11 +101,13 @@ def _comm_line(prog: Program, c: Comm) -> str:
 
 
 def render(prog: Program) -> str:
-    """The Python source of ``prog``."""
+    """The Python source of ``prog``; raises :class:`~torchweave.codegen.safe.CodegenError`
+    if a name in it is no identifier."""
+    check(prog)
     groups = ", ".join(f"g{i}={literal(g)}" for i, g in enumerate(prog.groups) if prog.rank in g)
     lines = [
-        f'"""torchweave generated code: plan {prog.plan_name!r}, rank {prog.rank} of '
-        f'{prog.world_size}{", mesh " + prog.mesh if prog.mesh else ""}.',
+        f'"""torchweave generated code: plan {doc(repr(prog.plan_name))}, rank {prog.rank} of '
+        f'{prog.world_size}{", mesh " + doc(prog.mesh) if prog.mesh else ""}.',
         "",
         f"Groups with this rank: {groups or 'none'}.",
         f"Parameters held: {len(prog.params)} pieces. Do not edit: regenerate from the plan.",
@@ -190,9 +194,9 @@ def line(prog: Program, ins) -> str:
         outs = [o or "_" for o in ins.outputs]
         lhs = outs[0] if ins.structure == "single" else ", ".join(outs) + ("," if len(outs) == 1 else "")
         text = f"    {lhs} = {_callable(ins.fn)}({call})"
-        return f"{text}  # {ins.comment}" if ins.comment else text
+        return f"{text}  # {comment(ins.comment)}" if ins.comment else text
     if isinstance(ins, Comm):
-        return f"    {_comm_line(prog, ins)}  # {ins.comment}"
+        return f"    {_comm_line(prog, ins)}  # {comment(ins.comment)}"
     if isinstance(ins, Free):
         return f"    del {', '.join(ins.names)}"
     return ""

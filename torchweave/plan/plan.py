@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from torchweave.plan.layout import Mesh
+from torchweave.plan.names import string_problems
 from torchweave.plan.pipeline import Pipeline
 
 VERSION = 1
@@ -178,6 +179,11 @@ class Plan:
         plan.assignment = {n: [int(d) for d in ds] for n, ds in data["assign"].items()}
         plan.orders = [Order(PieceRef(a[0], tuple(a[1])), PieceRef(b[0], tuple(b[1])))
                        for a, b in data.get("order", [])]
+        problems = string_problems(plan)
+        if problems:
+            from torchweave.plan.validate import PlanError
+
+            raise PlanError(problems, header="plan JSON holds strings outside their alphabets")
         return plan
 
     def __eq__(self, other: object) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
+from torchweave.plan.names import string_problems
 from torchweave.plan.pipeline import check_pipeline, check_schedule
 from torchweave.plan.plan import Plan
 from torchweave.plan.recycle import check_recycle
@@ -15,7 +16,14 @@ class PlanError(TorchweaveError):
 
 
 def validate(plan: Plan, graph: Graph, *, world_size: int | None = None) -> None:
-    problems: list[Problem] = []
+    """Raise :class:`PlanError` with every problem of ``plan`` on ``graph``.
+
+    Its strings are checked first (:mod:`torchweave.plan.names`); a plan with
+    a string outside its alphabet is not checked further.
+    """
+    problems = string_problems(plan)
+    if problems:
+        raise PlanError(problems, header="the plan holds strings outside their alphabets")
     if world_size is not None and world_size != plan.world_size:
         problems.append(Problem(
             obj=f"plan {plan.name!r}", value=f"world_size {plan.world_size}",

@@ -1,10 +1,13 @@
 """Starting ranks: local processes (``spawn``) or under torchrun (``init_from_env``).
 
-``spawn`` hosts the rendezvous store in the parent, starts one process per
-rank, and returns each rank's return value. Each rank writes its result, or
-its traceback, to a file in a temporary folder before it tears down; so a
-rank that crashes during teardown, after its result is written, does not fail
-the run (gloo aborts one rank in about twenty at exit; see PLATFORM.md).
+``spawn`` starts one process per rank and returns each rank's return value.
+A local launch listens on no network address: the ranks meet through a
+``FileStore`` in the launch's private temporary folder (mode 0700), and gloo's
+pair connections listen on 127.0.0.1 only (:func:`_loopback_gloo`). Each rank
+writes its result, or its traceback, to a file in that folder before it tears
+down; so a rank that crashes during teardown, after its result is written,
+does not fail the run (gloo aborts one rank in about twenty at exit; see
+PLATFORM.md). Multi-node jobs are torchrun's (:func:`init_from_env`).
 """
 
 from __future__ import annotations
@@ -63,10 +66,6 @@ class LaunchConfig:
     """Time-out of every collective and of the rendezvous, in seconds."""
     threads_per_rank: int | None = None
     """torch threads per rank; ``None`` shares the CPU cores evenly (at least 1)."""
-    master_addr: str = "127.0.0.1"
-    """Address of the rendezvous store."""
-    master_port: int | None = None
-    """Port of the rendezvous store; ``None`` lets the OS pick a free one."""
     teardown_grace_s: float = 10.0
     """Seconds ranks get to exit after all results are in; stragglers are killed."""
 
@@ -87,12 +86,6 @@ class LaunchConfig:
         if self.threads_per_rank is not None and (
                 not _is_int(self.threads_per_rank) or self.threads_per_rank < 1):
             bad("threads_per_rank", "must be None or an int >= 1")
-        if not isinstance(self.master_addr, str) or not self.master_addr:
-            bad("master_addr", "must be a non-empty host name or address")
-        if self.master_port is not None and (
-                not _is_int(self.master_port) or not 1 <= self.master_port <= 65535):
-            bad("master_port", "must be None or an int in [1, 65535]",
-                "use None to pick a free port")
         if not _is_positive(self.teardown_grace_s, allow_zero=True):
             bad("teardown_grace_s", "must be a finite number >= 0")
         if problems:
@@ -146,13 +139,12 @@ def spawn(fn: Callable[..., Any], config: LaunchConfig, *args: Any) -> list[Any]
             obj="LaunchConfig.world_size", value=str(config.world_size),
             rule=f"nccl needs one GPU per local rank; {torch.cuda.device_count()} visible",
             fix="lower world_size, or use backend='gloo'"))
-    store = dist.TCPStore(config.master_addr, config.master_port or 0, is_master=True,
-                          timeout=timedelta(seconds=config.timeout_s), wait_for_workers=False)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="torchweave-spawn-") as tmp:
         out_dir = Path(tmp)
+        os.chmod(out_dir, 0o700)  # mkdtemp's mode already; results and the store live here
         procs = [ctx.Process(target=_run_rank, name=f"torchweave-rank{r}",
-                             args=(r, fn, config, backend, store.port, out_dir, args))
+                             args=(r, fn, config, backend, out_dir, args))
                  for r in range(config.world_size)]
         try:
             for p in procs:
@@ -160,7 +152,6 @@ def spawn(fn: Callable[..., Any], config: LaunchConfig, *args: Any) -> list[Any]
             return _collect(procs, out_dir, config)
         finally:
             _stop(procs)
-            del store
 
 
 def init_from_env(config: LaunchConfig) -> RankContext:
@@ -225,12 +216,31 @@ def _init_rank(*, rank: int, local_rank: int, config: LaunchConfig, backend: str
                        device=device, timeout_s=config.timeout_s, groups=groups)
 
 
+_LOOPBACK_GLOO = "gloo_loopback"
+
+
+def _loopback_gloo(store: dist.Store, rank: int, size: int,
+                   timeout: timedelta) -> dist.ProcessGroupGloo:
+    """Gloo whose pair connections listen on 127.0.0.1, not on the host name's address
+    (gloo's default; the device is passed explicitly rather than through the
+    ``GLOO_SOCKET_IFNAME`` environment variable)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    pg = dist.ProcessGroupGloo(store, rank, size, options)
+    pg._set_sequence_number_for_group()  # as init_process_group does for its own gloo
+    return pg
+
+
 def _run_rank(rank: int, fn: Callable[..., Any], config: LaunchConfig, backend: str,
-              port: int, out_dir: Path, args: tuple) -> None:
+              out_dir: Path, args: tuple) -> None:
     """Body of one spawned rank: result file first, teardown after."""
     try:
-        store = dist.TCPStore(config.master_addr, port, is_master=False,
-                              timeout=timedelta(seconds=config.timeout_s))
+        store = dist.FileStore(str(out_dir / "store"), config.world_size)
+        store.set_timeout(timedelta(seconds=config.timeout_s))
+        if backend == "gloo":
+            dist.Backend.register_backend(_LOOPBACK_GLOO, _loopback_gloo, devices=["cpu"])
+            backend = _LOOPBACK_GLOO
         ctx = _init_rank(rank=rank, local_rank=rank, config=config, backend=backend, store=store)
         payload = pickle.dumps(("ok", fn(ctx, *args), time.time()))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent

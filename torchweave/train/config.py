@@ -255,7 +255,9 @@ class TrainConfig:
     """A step whose loss or gradient norm is NaN or inf is skipped (and counted);
     this many in a row abort the run."""
     resume: bool = True
-    """Resume from the newest complete checkpoint in the checkpoint folder, if any."""
+    """Resume from the newest complete checkpoint in the checkpoint folder, if any. One
+    that cannot be loaded (refused metadata, another model, damaged files) stops the run
+    with an error naming it: resume never skips to an older checkpoint silently."""
     tensorboard: bool = True
     """Also write metrics as TensorBoard events under ``<run_dir>/tensorboard``."""
     progress: bool = True

@@ -143,6 +143,7 @@ class Trainer:
                 "py_rng_pos": random.getstate()[2], "rng": torch.get_rng_state()}
 
     def resume(self) -> None:
+        """Load the newest complete checkpoint; one that fails to load stops the run."""
         found = latest(self.cfg.checkpoint_dir) if self.cfg.resume else None
         if found is None:
             return

@@ -2,7 +2,7 @@
 
 Loading reads nothing through plain ``pickle``: tensors come through
 ``torch.load(weights_only=True)`` (inside DCP), and DCP's ``.metadata`` through
-an unpickler that admits only DCP's metadata classes. Every rank reads
+an unpickler that admits an exact list of classes (:data:`_ALLOWED`). Every rank reads
 everything into scratch tensors first, and the module is changed only once all
 ranks have succeeded.
 """
@@ -31,33 +31,46 @@ from torchweave.train.checkpoint import (
     _agree,
     _first_line,
     _world,
+    checkpoints,
     latest,
     piece_key,
 )
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's ``Metadata`` is made of."""
+_DCP = "torch.distributed.checkpoint"
+_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+           "float32", "float64", "complex64", "complex128")
+_ALLOWED = frozenset({
+    *((f"{_DCP}.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    *(("torch", n) for n in _DTYPES),
+    ("torch.serialization", "_get_layout"),  # a layout from its name: a lookup in torch's dict
+    ("pathlib", "PosixPath"),  # storage_meta.checkpoint_id
+})
+"""Every (module, name) the ``.metadata`` of a torchweave checkpoint holds (torch 2.13),
+read off real checkpoints of every plan and ZeRO stage. Nothing else: no dotted names
+(pickle resolves ``a.b`` by ``getattr``, and DCP's modules import ``os``), no
+``builtins`` (``getattr`` reaches anything), and no ``BytesStorageMetadata``:
+torchweave keeps non-tensor values in JSON, and DCP reads byte entries with
+``torch.load(weights_only=False)``."""
 
-    _BUILTINS = {"set", "frozenset", "list", "dict", "tuple", "slice", "getattr"}
+
+class _Refused(pickle.UnpicklingError):
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__(f"{module}.{name}")
+        self.target = f"{module}.{name}"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits exactly the classes of :data:`_ALLOWED`."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                               (torch.dtype, torch.layout,
-                                                                torch.memory_format))):
-            return getattr(torch, name)
-        if (module, name) in {("torch.serialization", "_get_layout"),  # layout from its name
-                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}:
-            return super().find_class(module, name)
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module == "builtins" and name in self._BUILTINS - {"getattr"}:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, "
-                                     "which a checkpoint never needs")
+        if (module, name) not in _ALLOWED:
+            raise _Refused(module, name)
+        return super().find_class(module, name)
 
 
 class _SafeReader(FileSystemReader):
@@ -71,6 +84,17 @@ class _SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _refused(path: Path, target: str) -> CheckpointError:
+    older = [p for _, p in checkpoints(path.parent) if p != path]
+    fix = (f"load only checkpoints you trust; to go on from the previous one, move {path} "
+           f"out of {path.parent} (or load {older[-1]} explicitly)"
+           if older else "load only checkpoints you trust, or start without --resume")
+    return CheckpointError(Problem(
+        obj="checkpoint metadata", value=f"{path / '.metadata'} tries to load {target}",
+        rule="a checkpoint's metadata loads only DCP's metadata classes, torch sizes, dtypes "
+             "and paths; it was refused before anything in it ran", fix=fix))
 
 
 def _corrupt(path: Path, what: str) -> CheckpointError:
@@ -90,6 +114,8 @@ def _read_layout(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], Meta
         raise _corrupt(path, _first_line(e)) from None
     try:
         md = _SafeReader(path).read_metadata()
+    except _Refused as e:
+        raise _refused(path, e.target) from None
     except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
         raise _corrupt(path, f"DCP metadata unreadable ({_first_line(e)})") from None
     return meta, ranks, md
