@@ -35,6 +35,7 @@ class GroupCache:
         self.counter = CommCounter()
         """Every communication call made through ``comm`` on this rank."""
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._pipeline: dist.ProcessGroup | None = None
 
     @property
     def world(self) -> tuple[int, ...]:
@@ -68,6 +69,14 @@ class GroupCache:
                 continue
             pg = dist.new_group(list(ranks), timeout=timeout)
             self._groups[ranks] = pg if self.rank in ranks else None
+
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """All ranks, for pipeline messages only: their order is independent of every other
+        point-to-point message (NCCL and untagged gloo match messages by order per group).
+        Created on first use, which every rank reaches together; ``None`` on one rank."""
+        if self.world_size > 1 and self._pipeline is None:
+            self._pipeline = dist.new_group(list(self.world), timeout=timedelta(seconds=self.timeout_s))
+        return self._pipeline
 
     def get(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """The group of ``ranks``; ``None`` if this rank is not in it."""
