@@ -25,8 +25,9 @@ not needed (NCCL ignores them): ``StepConfig.p2p_tags`` sends every message
 with tag 0 (``untagged``, the default on NCCL) or tags each by (link,
 micro-batch, direction, pass, transfer) (``tagged``, the default on gloo,
 where a message out of order then waits instead of landing in the wrong
-tensor). Pipeline messages go over their own process group, apart from the
-point-to-point exchanges inside a stage.
+tensor). Pipeline messages go over their own process groups, one per
+direction (to a higher rank, to a lower one), apart from the point-to-point
+exchanges inside a stage.
 
 Gradient sync overlaps the schedule's tail: a replicated parameter's
 gradient is final after the last ``B`` or ``W`` of every stage on this rank
@@ -127,7 +128,7 @@ class PipelineModule(RankModule):
                        for seg in prog.segments for bd in seg.recvs + seg.sends}
         self.tagged = _tagged(self.config.p2p_tags, self.rt.gc)
         """Messages carry tags (a check on gloo); untagged, each is sent with tag 0."""
-        self._group = self.rt.gc.pipeline_group()
+        self._groups = self.rt.gc.pipeline_groups()
         self._final = self._final_grads()
         self._final_ids = [{id(p) for p in ps} for ps in self._final]
 
@@ -296,6 +297,10 @@ class PipelineModule(RankModule):
         return ((((x.link * self.micro + x.micro) * 2 + x.grad) * self.passes + x.iteration)
                 * _TAG_TRANSFERS + x.transfer)
 
+    def _group(self, x: Message):
+        """The pipeline's group for ``x``'s direction: one order per ordered pair of ranks."""
+        return self._groups[0] if x.src < x.dst else self._groups[1]
+
     def _transfer(self, x: Message) -> Transfer:
         step = self._links[x.link]
         return (step.grad_back if x.grad else step.transfers)[x.transfer]
@@ -309,7 +314,7 @@ class PipelineModule(RankModule):
             dtype = self._dtype[x.link] if link < 0 else self._micro[self.program.recycle[link].index][0].dtype
             buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.device)
             start = time.perf_counter()
-            dist.recv(buf, x.src, group=self._group, tag=self._tag(x))
+            dist.recv(buf, x.src, group=self._group(x), tag=self._tag(x))
             self.stats.wait_s += time.perf_counter() - start
             self._got[x] = buf
 
@@ -330,7 +335,7 @@ class PipelineModule(RankModule):
                 continue
             self.rt.gc.counter.record(CommKind.P2P, Direction.BACKWARD if x.grad else Direction.FORWARD,
                                       (self.rt.rank, x.dst), data.numel() * data.element_size())
-            self._pending.append((dist.isend(data, x.dst, group=self._group, tag=self._tag(x)), data))
+            self._pending.append((dist.isend(data, x.dst, group=self._group(x), tag=self._tag(x)), data))
 
     def _drop_sent(self) -> None:
         """Free the buffers of sends that have completed (the rest are waited on at the end)."""
