@@ -44,7 +44,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     loaded = load(args.model)
     report = verify(loaded.model, loaded.args, plan=args.plan, world_size=args.world_size,
                     steps=args.steps, tolerance=args.tolerance,
-                    config=StepConfig(grad_accum=args.grad_accum),
+                    config=StepConfig(grad_accum=args.grad_accum, p2p_tags=args.p2p_tags),
                     launch=LaunchConfig(world_size=args.world_size, timeout_s=args.timeout),
                     code_dir=args.code)
     console.print(str(report), highlight=False, markup=False)
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--steps", type=int, default=3)
     ver.add_argument("--grad-accum", type=int, default=1)
     ver.add_argument("--tolerance", type=float, default=1e-5)
+    ver.add_argument("--p2p-tags", default="auto", metavar="MODE",
+                     help="pipeline messages: untagged (tag 0, as NCCL runs them), tagged, or auto "
+                          "(untagged on NCCL, tagged on gloo)")
     ver.add_argument("--timeout", type=float, default=60.0, help="collective time-out, seconds")
     ver.add_argument("--code", metavar="DIR", help="keep the generated per-rank code here")
     ver.set_defaults(run=_verify)

@@ -5,11 +5,14 @@ loop (:func:`torchweave.verify.recycled_forward`).
 
 Loss at every step, every gradient after the first backward and every
 parameter after the optimizer steps, against the model trained on one device
-over the same micro-batches. One launch per world size runs all its cases.
+over the same micro-batches. One launch per world size runs all its cases,
+each twice: with tagged messages and untagged (every message with tag 0, as
+NCCL runs them: only the order of each pair's messages matches them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -82,20 +85,25 @@ SMALL_BUCKETS = StepConfig(bucket_mb=0.02)
 """About 5k floats: gpt-tiny's gradients in several buckets per stage, so that sums start mid-step."""
 
 
+TAGS = ("tagged", "untagged")
+
+
 @functools.lru_cache(maxsize=None)
-def reports(world_size: int) -> dict[tuple[str, str], object]:
-    cases = []
+def reports(world_size: int) -> dict[tuple[str, str, str], object]:
+    cases, keys = [], []
     for name, plan in CASES[world_size]:
         model, inputs = _batch8(name)
         config = {"+clip": StepConfig(clip_grad_norm=0.05), "+buckets": SMALL_BUCKETS}.get(
             plan[plan.rfind("+"):] if "+" in plan else "", StepConfig())
-        cases.append(Case(model, inputs, SPECIAL.get(plan, plan), steps=2, config=config,
-                          name=f"{name}/{plan}"))
-    return dict(zip(CASES[world_size], verify_many(cases, world_size=world_size)))
+        for tags in TAGS:
+            cases.append(Case(model, inputs, SPECIAL.get(plan, plan), steps=2,
+                              config=dataclasses.replace(config, p2p_tags=tags), name=f"{name}/{plan}/{tags}"))
+            keys.append((name, plan, tags))
+    return dict(zip(keys, verify_many(cases, world_size=world_size)))
 
 
-def _check(world_size: int, name: str, plan: str) -> None:
-    report = reports(world_size)[(name, plan)]
+def _check(world_size: int, name: str, plan: str, tags: str) -> None:
+    report = reports(world_size)[(name, plan, tags)]
     assert report.ok, str(report)
     assert len(report.losses) == 2 and report.grads and report.params
     if "pp=1" not in plan:  # one stage group: every recycled value stays on its rank
@@ -103,22 +111,25 @@ def _check(world_size: int, name: str, plan: str) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("tags", TAGS)
 @pytest.mark.parametrize("name,plan", CASES[2])
-def test_pipeline_2_ranks_matches_one_device(name: str, plan: str) -> None:
-    _check(2, name, plan)
+def test_pipeline_2_ranks_matches_one_device(name: str, plan: str, tags: str) -> None:
+    _check(2, name, plan, tags)
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("tags", TAGS)
 @pytest.mark.parametrize("name,plan", CASES[4])
-def test_pipeline_4_ranks_matches_one_device(name: str, plan: str) -> None:
-    _check(4, name, plan)
+def test_pipeline_4_ranks_matches_one_device(name: str, plan: str, tags: str) -> None:
+    _check(4, name, plan, tags)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.parametrize("tags", TAGS)
 @pytest.mark.parametrize("name,plan", CASES[8])
-def test_hybrid_pp_tp_dp_zero_8_ranks_matches_one_device(name: str, plan: str) -> None:
-    _check(8, name, plan)
+def test_hybrid_pp_tp_dp_zero_8_ranks_matches_one_device(name: str, plan: str, tags: str) -> None:
+    _check(8, name, plan, tags)
 
 
 def _overlap_rank(ctx, plans: tuple[str, ...]) -> dict[str, object]:
@@ -165,9 +176,8 @@ def test_gradient_sums_start_during_the_schedule_and_change_nothing() -> None:
 def test_pipelines_in_bf16_train_close_to_fp32() -> None:
     """bf16 compute, fp32 master weights: messages and their gradients travel in bf16."""
     model, inputs = _batch8("llama-tiny")
-    bf16 = StepConfig(precision="bf16")
-    cases = [Case(model, inputs, plan, steps=2, config=bf16, name=f"{plan}/bf16")
-             for plan in ("1f1b", "interlaced")]
+    cases = [Case(model, inputs, plan, steps=2, config=StepConfig(precision="bf16", p2p_tags=tags),
+                  name=f"{plan}/bf16/{tags}") for plan in ("1f1b", "interlaced") for tags in TAGS]
     for report in verify_many(cases, world_size=2, tolerance=5e-2):
         assert report.ok, str(report)
         assert 0 < report.loss_diff, "bf16 compute should differ a little from fp32"

@@ -121,6 +121,43 @@ class RecycleLink:
     """Receiver → the region of the whole input it receives."""
 
 
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message of a pipelined step: the same value on both ranks."""
+
+    link: int
+    """The boundary's index; recycle links follow the boundaries."""
+    micro: int
+    grad: bool
+    """The gradient of a boundary, going back (else its value, going forward)."""
+    transfer: int
+    """Which transfer of the link (its position in ``transfers`` or ``grad_back``)."""
+    iteration: int
+    """The forward pass it belongs to (gradients: the last)."""
+    src: int
+    dst: int
+
+    def __str__(self) -> str:
+        what = "grad" if self.grad else "value"
+        return (f"{what} of link {self.link} micro {self.micro} pass {self.iteration} "
+                f"transfer {self.transfer} ({self.src}->{self.dst})")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The messages of one action of one rank."""
+
+    posts: tuple[Message, ...]
+    """Receives posted before the compute, in their senders' order (some for later actions)."""
+    needs: tuple[Message, ...]
+    """What the compute reads, in order: from other ranks (posted by now, here or earlier)
+    and from this rank itself (kept from its ``local`` sends)."""
+    sends: tuple[Message, ...]
+    """Sends posted after the compute, in this order."""
+    local: tuple[Message, ...] = ()
+    """Pieces this rank sends to itself (kept in memory, never posted)."""
+
+
 @dataclass
 class Segment:
     """The part of one rank's forward that belongs to one pipeline stage."""
@@ -166,6 +203,9 @@ class Program:
     """Multi-forward: what comes back from the last stage to stage 0 between passes."""
     recompute: list[tuple[str, ...]] = field(default_factory=list)
     """Groups of nodes whose activations are recomputed in backward."""
+    messages: list[Exchange] = field(default_factory=list)
+    """Pipelined plans: per action, the messages it posts, reads and sends
+    (:mod:`torchweave.lower.messages`; the executor issues exactly these)."""
 
     def comms(self) -> list[Comm]:
         return [i for i in self.instrs if isinstance(i, Comm)]

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 
 from torchweave.errors import Problem
 from torchweave.ir.graph import Graph
+from torchweave.lower.messages import check_order, derive
 from torchweave.lower.program import (
     Boundary, Comm, Compute, Free, Instr, LocalRef, Program, Segment,
 )
@@ -94,6 +95,8 @@ def split_stages(programs: list[Program], graph: Graph, plan: Plan) -> None:
         prog.actions = list(schedule.get(pipe.rank_of_device(prog.rank), []))
         prog.micro_batches = pipe.micro_batches
         prog.boundaries = len(keys)
+    derive(programs)
+    check_order(programs)
 
 
 def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int],

@@ -39,6 +39,10 @@ class StepConfig:
     """Gradient all-reduce bucket size."""
     overlap: bool = True
     """Start each bucket's all-reduce during backward."""
+    p2p_tags: Literal["auto", "tagged", "untagged"] = "auto"
+    """Pipeline messages: ``untagged`` sends each with tag 0 (NCCL ignores tags; the message
+    order alone matches them), ``tagged`` tags each by what it carries; ``auto`` is
+    untagged on NCCL, tagged on gloo."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -51,8 +55,16 @@ class StepConfig:
         if self.precision not in ("fp32", "bf16"):
             problems.append(Problem(obj="StepConfig.precision", value=repr(self.precision),
                                     rule="one of 'fp32', 'bf16'"))
+        if self.p2p_tags not in P2P_TAGS:
+            problems.append(Problem(obj="StepConfig.p2p_tags", value=repr(self.p2p_tags),
+                                    rule="one of " + ", ".join(map(repr, P2P_TAGS)),
+                                    fix="'untagged' to run as on NCCL, 'auto' to let the backend choose"))
         if problems:
             raise TorchweaveError(problems)
+
+
+P2P_TAGS = ("auto", "tagged", "untagged")
+"""The values of :attr:`StepConfig.p2p_tags`."""
 
 
 @dataclass

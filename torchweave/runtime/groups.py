@@ -35,6 +35,7 @@ class GroupCache:
         self.counter = CommCounter()
         """Every communication call made through ``comm`` on this rank."""
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._pipeline: tuple[dist.ProcessGroup, ...] = ()
 
     @property
     def world(self) -> tuple[int, ...]:
@@ -68,6 +69,18 @@ class GroupCache:
                 continue
             pg = dist.new_group(list(ranks), timeout=timeout)
             self._groups[ranks] = pg if self.rank in ranks else None
+
+    def pipeline_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """Two groups of all ranks, for pipeline messages only: to a higher rank, then to a
+        lower one. Their order is then independent of every other point-to-point message and
+        of the other direction's (NCCL, and gloo without tags, match by order per group; an
+        NCCL send waits for its receive, so one stream for both directions of a pair could
+        wait in a cycle). Created on first use, which every rank reaches together; ``None``
+        on one rank."""
+        if self.world_size > 1 and not self._pipeline:
+            timeout = timedelta(seconds=self.timeout_s)
+            self._pipeline = tuple(dist.new_group(list(self.world), timeout=timeout) for _ in range(2))
+        return self._pipeline or (None, None)
 
     def get(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """The group of ``ranks``; ``None`` if this rank is not in it."""

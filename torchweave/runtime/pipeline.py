@@ -4,8 +4,7 @@
   generated ``stage{s}`` on micro-batch ``m`` keeping its autograd graph, send
   its outputs. Sends are posted (``isend``) and never waited on until the end
   of the step, so the runtime keeps the dry run's promise that a send never
-  blocks; every message is tagged by (boundary, micro-batch, direction,
-  transfer), so a receive takes exactly the message it waits for.
+  blocks.
 - ``B``: receive the gradients of what ``F`` sent, run backward from them (and
   from the loss term on the last stage), send the gradients of what ``F``
   received.
@@ -16,7 +15,19 @@
 - ``R`` (multi-forward, pass ``k``): as ``F`` but under ``torch.no_grad()``,
   keeping nothing; the last stage sends the recycled outputs back to stage 0,
   which reads them as inputs on pass ``k + 1`` (an ``R``, or the ``F``).
-  Messages of different passes have different tags.
+
+Every message is issued from the program's ``messages``
+(:mod:`torchweave.lower.messages`): before an action the rank posts its
+receives in the order each sender sends, keeping those meant for later
+actions; after it, its sends in one fixed order. So each pair of ranks
+issues its messages in one order, which the dry run checked, and tags are
+not needed (NCCL ignores them): ``StepConfig.p2p_tags`` sends every message
+with tag 0 (``untagged``, the default on NCCL) or tags each by (link,
+micro-batch, direction, pass, transfer) (``tagged``, the default on gloo,
+where a message out of order then waits instead of landing in the wrong
+tensor). Pipeline messages go over their own process groups, one per
+direction (to a higher rank, to a lower one), apart from the point-to-point
+exchanges inside a stage.
 
 Gradient sync overlaps the schedule's tail: a replicated parameter's
 gradient is final after the last ``B`` or ``W`` of every stage on this rank
@@ -39,14 +50,15 @@ import torch
 import torch.distributed as dist
 
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.lower.program import Boundary, RecycleLink, Segment
+from torchweave.lower.messages import links
+from torchweave.lower.program import Exchange, Message, Segment
 from torchweave.lower.stages import reads
+from torchweave.lower.steps import Transfer
 from torchweave.plan.schedules import Action, Kind
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
 from torchweave.runtime.zb import SplitBackward
 
-_FWD, _BWD = 0, 1
 _TAG_TRANSFERS = 4096
 """Room for this many transfers per boundary in a message tag."""
 
@@ -87,6 +99,13 @@ class StepStats:
     """Gradient buckets whose sum started before this rank's last action (overlapped with compute)."""
 
 
+def _tagged(mode: str, gc) -> bool:
+    """``auto``: tags on gloo (a mismatch then waits instead of swapping tensors), none on NCCL."""
+    if mode == "auto":
+        return gc.world_size > 1 and dist.get_backend() != "nccl"
+    return mode == "tagged"
+
+
 class PipelineModule(RankModule):
     """One rank of a pipelined plan, with ``train_step(*batch)``."""
 
@@ -104,6 +123,12 @@ class PipelineModule(RankModule):
         self.micro = prog.micro_batches
         self.passes = prog.passes
         self.stats = StepStats()
+        self._links = links(prog)
+        self._dtype = {bd.index: getattr(torch, bd.dtype.removeprefix("torch."))
+                       for seg in prog.segments for bd in seg.recvs + seg.sends}
+        self.tagged = _tagged(self.config.p2p_tags, self.rt.gc)
+        """Messages carry tags (a check on gloo); untagged, each is sent with tag 0."""
+        self._groups = self.rt.gc.pipeline_groups()
         self._final = self._final_grads()
         self._final_ids = [{id(p) for p in ps} for ps in self._final]
 
@@ -134,7 +159,7 @@ class PipelineModule(RankModule):
         self._handed: dict[tuple[str, int], torch.Tensor] = {}
         self._handed_grad: dict[tuple[str, int], torch.Tensor] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        self._to_self: dict[int, torch.Tensor] = {}
+        self._got: dict[Message, torch.Tensor] = {}
         self._loss = 0.0
         self.stats = StepStats()
         start = time.perf_counter()
@@ -144,7 +169,7 @@ class PipelineModule(RankModule):
                 self.stats.early_buckets = self.sync.started
             if self.sync.overlap:
                 self.sync.enabled, self.sync.allow = bool(final), self._final_ids[i]
-            self.run(action)
+            self.run(action, self.program.messages[i])
             self.sync.mark_ready(final)
             self.stats.peak_live = max(self.stats.peak_live, len(self._live))
             self._drop_sent()
@@ -160,54 +185,62 @@ class PipelineModule(RankModule):
             self.clip(self.config.clip_grad_norm)
         return self._reported_loss()
 
-    def run(self, a: Action) -> None:
+    def run(self, a: Action, ex: Exchange) -> None:
+        self._receive(ex)
         if a.kind is Kind.F:
-            self._forward(a.stage, a.micro, self.passes - 1)
+            self._forward(a.stage, a.micro, self.passes - 1, ex)
         elif a.kind is Kind.R:
-            self._forward(a.stage, a.micro, a.iteration)
+            self._forward(a.stage, a.micro, a.iteration, ex)
         elif a.kind is Kind.B:
-            self._backward(a.stage, a.micro, to_inputs=True, to_params=True)
+            self._backward(a.stage, a.micro, ex, to_inputs=True, to_params=True)
         elif a.kind is Kind.I:
-            self._backward(a.stage, a.micro, to_inputs=True, to_params=False)
+            self._backward(a.stage, a.micro, ex, to_inputs=True, to_params=False)
         elif a.kind is Kind.W:
-            self._backward(a.stage, a.micro, to_inputs=False, to_params=True)
+            self._backward(a.stage, a.micro, ex, to_inputs=False, to_params=True)
 
-    def _forward(self, s: int, m: int, k: int) -> None:
+    def _forward(self, s: int, m: int, k: int, ex: Exchange) -> None:
         """Pass ``k`` of stage ``s`` on micro-batch ``m``: with gradients on the last pass."""
         grad = k == self.passes - 1
         seg = self.segments[s]
+        got: dict[int, torch.Tensor] = {}
+        for bd in seg.recvs:
+            got[bd.index] = torch.zeros(dict(bd.step.shapes)[self.rt.rank], dtype=self._dtype[bd.index],
+                                        device=self.rt.device)
+        inputs = [x[m] for x in self._micro]
+        if k > 0 and s == 0:
+            for i, link in enumerate(self.program.recycle):
+                if self.rt.rank in dict(link.boxes):
+                    inputs[link.index] = torch.zeros_like(inputs[link.index])
+                    got[self.program.boundaries + i] = _region(inputs[link.index], dict(link.boxes)[self.rt.rank])
+        self._take(ex.needs, got)
         b: dict[str, torch.Tensor] = {}
         for bd in seg.recvs:
-            b[bd.key] = self._recv(bd, m, k)
+            b[bd.key] = got[bd.index]
+            if bd.grad and b[bd.key].is_floating_point() and grad:
+                b[bd.key].requires_grad_(True)
         for name in seg.inputs:
             src = self._handed.pop((name, m, k))
             b[name] = src.detach().requires_grad_(src.requires_grad) if grad else src
         self.rt.tokens = []
-        inputs = [x[m] for x in self._micro]
-        if k > 0 and s == 0:
-            for link in self.program.recycle:
-                if self.rt.rank in dict(link.boxes):
-                    inputs[link.index] = self._recv_recycled(link, m, k)
         with contextlib.nullcontext() if grad else torch.no_grad():
             loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
         if grad:
             self._live[(s, m)] = _Live(loss, outputs, b, list(self.rt.tokens))
-        for bd in seg.sends:
-            self._send(bd, outputs[bd.local], m, k)
+        values = {bd.index: outputs[bd.local] for bd in seg.sends}
+        for i, link in enumerate(self.program.recycle):
+            if not grad and link.output in outputs:
+                values[self.program.boundaries + i] = outputs[link.output]
+        self._send(ex, values)
         for name in seg.outputs:
             if self._read_locally(name):
                 self._handed[(name, m, k)] = outputs[name]
-        if not grad:
-            for link in self.program.recycle:
-                if link.output in outputs:
-                    self._send_recycled(link, outputs[link.output], m, k)
-        elif loss is not None:
+        if grad and loss is not None:
             self._loss += float(loss.detach()) / self.micro
 
     def _read_locally(self, name: str) -> bool:
         return any(name in seg.inputs for seg in self.segments.values())
 
-    def _backward(self, s: int, m: int, *, to_inputs: bool, to_params: bool) -> None:
+    def _backward(self, s: int, m: int, ex: Exchange, *, to_inputs: bool, to_params: bool) -> None:
         seg, live = self.segments[s], self._live[(s, m)]
         if to_inputs:  # B or I: collect the roots once
             roots, grads = live.roots, live.grads
@@ -217,11 +250,13 @@ class PipelineModule(RankModule):
             for t in live.tokens:
                 roots.append(t)
                 grads.append(torch.ones_like(t) if t.numel() else torch.zeros_like(t))
+            got = {bd.index: torch.zeros_like(live.outputs[bd.local], memory_format=torch.contiguous_format)
+                   for bd in seg.sends if bd.grad}
+            self._take(ex.needs, got)
             for bd in seg.sends:
-                g = self._recv_grad(bd, live.outputs[bd.local], m)
-                if g is not None and live.outputs[bd.local].requires_grad:
+                if bd.grad and live.outputs[bd.local].requires_grad:
                     roots.append(live.outputs[bd.local])
-                    grads.append(g)
+                    grads.append(got[bd.index])
             for name in seg.outputs:
                 g = self._handed_grad.pop((name, m), None)
                 if g is not None and live.outputs[name].requires_grad:
@@ -236,10 +271,14 @@ class PipelineModule(RankModule):
         elif live.split is not None:
             live.split.weights()
         if to_inputs:
+            values = {}
             for bd in seg.recvs:
                 leaf = live.leaves[bd.key]
                 if bd.grad:
-                    self._send_grad(bd, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf), m)
+                    g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    scale = dict(bd.step.grad_scale).get(self.rt.rank, 1.0)
+                    values[bd.index] = g * scale if scale != 1.0 else g
+            self._send(ex, values)
             for name in seg.inputs:
                 leaf = live.leaves[name]
                 if leaf.grad is not None:
@@ -250,20 +289,53 @@ class PipelineModule(RankModule):
             del self._live[(s, m)]
 
     # ------------------------------------------------------------ messages
-    def _tag(self, index: int, m: int, direction: int, j: int, k: int | None = None) -> int:
-        """Message ``j`` of boundary ``index`` (recycle links follow the boundaries) for
-        micro-batch ``m``, pass ``k`` (default: the last, with gradients)."""
-        k = self.passes - 1 if k is None else k
-        return (((index * self.micro + m) * 2 + direction) * self.passes + k) * _TAG_TRANSFERS + j
+    def _tag(self, x: Message) -> int:
+        """``x``'s tag (0 for every message when untagged): (link, micro-batch, direction,
+        pass, transfer)."""
+        if not self.tagged:
+            return 0
+        return ((((x.link * self.micro + x.micro) * 2 + x.grad) * self.passes + x.iteration)
+                * _TAG_TRANSFERS + x.transfer)
 
-    def _post(self, data: torch.Tensor, dst: int, tag: int, direction: Direction) -> None:
-        data = data.detach().contiguous()
-        if dst == self.rt.rank:  # a rank that holds part of what it receives
-            self._to_self[tag] = data
-            return
-        self.rt.gc.counter.record(CommKind.P2P, direction, (self.rt.rank, dst),
-                                  data.numel() * data.element_size())
-        self._pending.append((dist.isend(data, dst, tag=tag), data))
+    def _group(self, x: Message):
+        """The pipeline's group for ``x``'s direction: one order per ordered pair of ranks."""
+        return self._groups[0] if x.src < x.dst else self._groups[1]
+
+    def _transfer(self, x: Message) -> Transfer:
+        step = self._links[x.link]
+        return (step.grad_back if x.grad else step.transfers)[x.transfer]
+
+    def _receive(self, ex: Exchange) -> None:
+        """Post the action's receives, in the order their senders send them (some are for
+        later actions: kept until then)."""
+        for x in ex.posts:
+            t = self._transfer(x)
+            link = x.link - self.program.boundaries
+            dtype = self._dtype[x.link] if link < 0 else self._micro[self.program.recycle[link].index][0].dtype
+            buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.device)
+            start = time.perf_counter()
+            dist.recv(buf, x.src, group=self._group(x), tag=self._tag(x))
+            self.stats.wait_s += time.perf_counter() - start
+            self._got[x] = buf
+
+    def _take(self, needs: tuple[Message, ...], into: dict[int, torch.Tensor]) -> None:
+        """Place each received piece in its link's tensor (gradients add up)."""
+        for x in needs:
+            t, piece = self._transfer(x), self._got.pop(x)
+            target = _region(into[x.link], t.dst_box)
+            target.add_(piece) if x.grad or t.add else target.copy_(piece)
+
+    def _send(self, ex: Exchange, values: dict[int, torch.Tensor]) -> None:
+        """Post the action's sends (pieces of ``values``, link -> tensor) in the model's order;
+        pieces for this rank itself are kept for the action that reads them."""
+        for x in ex.local + ex.sends:
+            data = _region(values[x.link], self._transfer(x).src_box).detach().contiguous()
+            if x.dst == self.rt.rank:
+                self._got[x] = data
+                continue
+            self.rt.gc.counter.record(CommKind.P2P, Direction.BACKWARD if x.grad else Direction.FORWARD,
+                                      (self.rt.rank, x.dst), data.numel() * data.element_size())
+            self._pending.append((dist.isend(data, x.dst, group=self._group(x), tag=self._tag(x)), data))
 
     def _drop_sent(self) -> None:
         """Free the buffers of sends that have completed (the rest are waited on at the end)."""
@@ -274,75 +346,6 @@ class PipelineModule(RankModule):
             else:
                 left.append((work, data))
         self._pending = left
-
-    def _wait_for(self, buf: torch.Tensor, src: int, tag: int) -> None:
-        if src == self.rt.rank:
-            buf.copy_(self._to_self.pop(tag))
-            return
-        start = time.perf_counter()
-        dist.recv(buf, src, tag=tag)
-        self.stats.wait_s += time.perf_counter() - start
-
-    def _recv_into(self, out: torch.Tensor, transfers, index: int, m: int, k: int) -> None:
-        """Receive this rank's transfers of ``index`` into ``out`` (boxes in its coordinates)."""
-        for j, t in enumerate(transfers):
-            if t.dst != self.rt.rank:
-                continue
-            piece = torch.empty(_shape(t.dst_box), dtype=out.dtype, device=out.device)
-            self._wait_for(piece, t.src, self._tag(index, m, _FWD, j, k))
-            target = _region(out, t.dst_box)
-            target.add_(piece) if t.add else target.copy_(piece)
-
-    def _send_from(self, x: torch.Tensor, transfers, index: int, m: int, k: int) -> None:
-        for j, t in enumerate(transfers):
-            if t.src == self.rt.rank:
-                self._post(_region(x, t.src_box), t.dst, self._tag(index, m, _FWD, j, k),
-                           Direction.FORWARD)
-
-    def _recv(self, bd: Boundary, m: int, k: int) -> torch.Tensor:
-        dtype = getattr(torch, bd.dtype.removeprefix("torch."))
-        out = torch.zeros(dict(bd.step.shapes)[self.rt.rank], dtype=dtype, device=self.rt.device)
-        self._recv_into(out, bd.step.transfers, bd.index, m, k)
-        if bd.grad and dtype.is_floating_point and k == self.passes - 1:
-            out.requires_grad_(True)
-        return out
-
-    def _send(self, bd: Boundary, x: torch.Tensor, m: int, k: int) -> None:
-        self._send_from(x, bd.step.transfers, bd.index, m, k)
-
-    def _link_index(self, link: RecycleLink) -> int:
-        return self.program.boundaries + self.program.recycle.index(link)
-
-    def _send_recycled(self, link: RecycleLink, x: torch.Tensor, m: int, k: int) -> None:
-        """The last stage's output of pass ``k``, to the devices that read it on pass ``k + 1``."""
-        self._send_from(x, link.step.transfers, self._link_index(link), m, k)
-
-    def _recv_recycled(self, link: RecycleLink, m: int, k: int) -> torch.Tensor:
-        """Pass ``k``'s recycled input: the whole input, this rank's region filled from pass ``k - 1``."""
-        out = torch.zeros_like(self._micro[link.index][m])
-        self._recv_into(_region(out, dict(link.boxes)[self.rt.rank]), link.step.transfers,
-                        self._link_index(link), m, k - 1)
-        return out
-
-    def _send_grad(self, bd: Boundary, g: torch.Tensor, m: int) -> None:
-        scale = dict(bd.step.grad_scale).get(self.rt.rank, 1.0)
-        if scale != 1.0:
-            g = g * scale
-        for j, t in enumerate(bd.step.grad_back):
-            if t.src == self.rt.rank:
-                self._post(_region(g, t.src_box), t.dst, self._tag(bd.index, m, _BWD, j), Direction.BACKWARD)
-
-    def _recv_grad(self, bd: Boundary, x: torch.Tensor, m: int) -> torch.Tensor | None:
-        if not bd.grad:
-            return None
-        holder = torch.zeros_like(x, memory_format=torch.contiguous_format)
-        for j, t in enumerate(bd.step.grad_back):
-            if t.dst != self.rt.rank:
-                continue
-            piece = torch.empty(_shape(t.dst_box), dtype=x.dtype, device=x.device)
-            self._wait_for(piece, t.src, self._tag(bd.index, m, _BWD, j))
-            _region(holder, t.dst_box).add_(piece)
-        return holder
 
     # ------------------------------------------------------------ loss
     def _reported_loss(self) -> float:

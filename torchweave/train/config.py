@@ -180,6 +180,9 @@ class ParallelConfig:
     """Samples per optimizer step over all ranks: ``micro_batch * grad_accum * dp``."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: compute in bf16 from fp32 master weights."""
+    p2p_tags: Literal["auto", "tagged", "untagged"] = "auto"
+    """Pipeline messages: ``untagged`` (tag 0, matched by order alone, as on NCCL),
+    ``tagged``, or ``auto`` (untagged on NCCL, tagged on gloo)."""
 
     @property
     def dp(self) -> int:

@@ -118,7 +118,8 @@ class Trainer:
         self.plan_reason = plan_reason
         self.code_dir = self.run_dir / "code"
         step_cfg = StepConfig(grad_accum=config.parallel.grad_accum, clip_grad_norm=None,
-                              precision=config.parallel.precision)
+                              precision=config.parallel.precision,
+                              p2p_tags=config.parallel.p2p_tags)
         self.module = parallelize(self.model, example, plan=self.plan, groups=ctx.groups,
                                   optimizer=optimizer_factory(config.optim), config=step_cfg,
                                   code_dir=str(self.code_dir))

@@ -14,9 +14,13 @@ It then runs all ranks step by step under this communication model:
   and micro-batch) has been issued, on whichever rank and in whatever order.
 
 So the runtime must post sends without waiting for the receiver (``isend``)
-and match messages by (stage, direction, micro-batch), e.g. with tags or by
-posting receives in the order their sends are issued. Under blocking sends
-more schedules deadlock than this check finds.
+and match messages by (stage, direction, micro-batch). It does so without
+tags: each rank posts its receives in the order their senders send, which
+adds no wait under this model (the messages a receive then takes first were
+sent before the one it waits for); lowering derives every message in that
+order and checks, per pair of ranks, that both sides issue one sequence
+(:mod:`torchweave.lower.messages`). Under blocking sends more schedules
+deadlock than this check finds.
 
 A rank that can never take its next step is stuck; the error prints the grid
 of ranks and steps with each stuck cell in brackets.
