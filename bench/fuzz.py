@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="*", default=list(MODELS), help="model families to draw from")
     ap.add_argument("--world-sizes", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--batch", type=int, default=8, help="cases per launch")
-    ap.add_argument("--timeout", type=float, default=30.0, help="collective time-out (s): a hang fails")
+    ap.add_argument("--timeout", type=float, default=20.0, help="collective time-out (s): a hang fails")
     ap.add_argument("--out", default="fuzz-out", help="where failures are saved")
     ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every case")

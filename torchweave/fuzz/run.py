@@ -134,8 +134,9 @@ def _verify(group: list[tuple[Draw, Case, Compiled]], ws: int, timeout_s: float
         reports = run_compiled([c for _, c, _ in group], [k for _, _, k in group], launch=launch,
                                tolerance=1.0)
     except RankFailedError as e:
-        if len(group) > 1:  # find the case that brought the launch down
-            return [x for item in group for x in _verify([item], ws, timeout_s)]
+        if len(group) > 1:  # find the case that brought the launch down, by halves
+            half = len(group) // 2
+            return _verify(group[:half], ws, timeout_s) + _verify(group[half:], ws, timeout_s)
         d, _, comp = group[0]
         return [(Outcome(d, "failed", f"launch failed (crash or hang): {_first_line(e)}\n"
                                       f"{e.traceback}"), comp)]
