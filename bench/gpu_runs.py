@@ -24,13 +24,13 @@ def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
     from torchweave.verify import verify_compiled
 
     ctx.log("", *_HEADER)
-    ready = []
+    ready, graphs = [], {}  # one capture per model and shape, as verify_many shares them
     for case in cases:
         try:
             ready.append((case, compile_plan(case.model, case.inputs, case.plan,
                                              world_size=world_size,
                                              micro_batches=case.config.grad_accum,
-                                             precision=case.config.precision)))
+                                             precision=case.config.precision, graphs=graphs)))
         except Exception as exc:  # noqa: BLE001 - recorded as not applicable
             ctx.log(f"| {case.name} | does not apply at world size {world_size}: "
                     f"`{(str(exc).strip().splitlines() or [''])[0][:160]}` | | | | |")
@@ -82,7 +82,8 @@ def nccl_policies(ctx: Ctx) -> None:
     if not ctx.smoke:
         llama, li = _built("llama-tiny")
         cases += [Case(llama, li, p, steps=2, name=f"llama-tiny/{p}") for p in ("dp", "tp", "zero3")]
-    ctx.log(f"Every built-in policy at world size 1 on {backend} ({ctx.device.type} tensors), "
+    what = "dp (the stand-in)" if ctx.smoke else "Every built-in policy"
+    ctx.log(f"{what} at world size 1 on {backend} ({ctx.device.type} tensors), "
             f"2 steps, against the one-device run on the CPU; relative tolerance "
             f"{CUDA_TOLERANCE:g}.")
     with ctx.part(f"policies on {backend}"):
