@@ -56,10 +56,12 @@ def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
                 groups = [[g] for g in group] + groups
             continue
         for (case, _), r in zip(group, reports):
-            mark = "ok" if r.ok else ("**FAILED**: " + r.error[:200] if r.error else "**MISMATCH**")
-            comm = ", ".join(f"{k} {n}" for k, n in sorted(r.comm.items())) or "none"
-            ctx.log(f"| {case.name} | {mark} | {r.loss_diff:.2e} | {r.max_grad_diff:.2e} | "
-                    f"{r.max_param_diff:.2e} | {comm} |")
+            if r.error:
+                ctx.log(f"| {case.name} | **FAILED**: `{r.error[:240]}` | | | | |")
+            else:
+                comm = ", ".join(f"{k} {n}" for k, n in sorted(r.comm.items())) or "none"
+                ctx.log(f"| {case.name} | {'ok' if r.ok else '**MISMATCH**'} | {r.loss_diff:.2e} | "
+                        f"{r.max_grad_diff:.2e} | {r.max_param_diff:.2e} | {comm} |")
             if not r.ok:
                 bad.append(case.name)
     ctx.log("")
@@ -114,7 +116,8 @@ def bf16(ctx: Ctx) -> None:
     if not ctx.smoke:
         model, inputs = _built("llama-tiny")
         bf = StepConfig(precision="bf16")
-        cases = [Case(model, inputs, p, config=bf, name=f"llama-tiny/{p}/bf16") for p in ("dp", "zero3")]
+        # not zero3: at one rank it fails in fp32 too (see bench/README.md)
+        cases = [Case(model, inputs, p, config=bf, name=f"llama-tiny/{p}/bf16") for p in ("dp", "1f1b")]
         ctx.log(f"bf16 on NCCL at world size 1 against the one-device bf16 run (the runtime's "
                 f"casts, on the CPU), relative tolerance {BF16_TOLERANCE:g}.")
         with ctx.part("bf16 plans against the bf16 reference"):
