@@ -21,7 +21,7 @@ def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
     of the rest), verify the rest in one launch (or one launch each if that one fails, or
     with ``separate``), a table row per case."""
     from torchweave.parallel import compile_plan
-    from torchweave.verify import verify_compiled
+    from torchweave.verify import run_compiled
 
     ctx.log("", *_HEADER)
     ready, graphs = [], {}  # one capture per model and shape, as verify_many shares them
@@ -44,8 +44,8 @@ def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
             bad += [f"{c.name}: not run (section budget)" for c, _ in group]
             continue
         try:
-            reports = verify_compiled([c for c, _ in group], [k for _, k in group],
-                                      world_size=world_size, tolerance=tolerance, launch=launch)
+            reports = run_compiled([c for c, _ in group], [k for _, k in group], launch=launch,
+                                   tolerance=tolerance)
         except Exception as exc:  # noqa: BLE001 - the launch failed: one launch per case
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             if len(group) == 1:

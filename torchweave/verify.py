@@ -196,17 +196,6 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
         compiled.append(compile_plan(c.model, c.inputs, c.plan, world_size=world_size, code_dir=sub,
                                      micro_batches=c.config.grad_accum,
                                      precision=c.config.precision, graphs=graphs))
-    return verify_compiled(cases, compiled, world_size=world_size, tolerance=tolerance,
-                           launch=launch)
-
-
-def verify_compiled(cases: list[Case], compiled: list[Compiled], *, world_size: int,
-                    tolerance: float = 1e-5, launch: LaunchConfig | None = None) -> list[Report]:
-    """:func:`verify_many` on plans already compiled (``compiled[i]`` for ``cases[i]``).
-
-    The ranks run ``compiled``'s Programs as they are: a test may edit one (drop a
-    gradient all-reduce, say) to check that the comparison catches it.
-    """
     launch = launch or LaunchConfig(world_size=world_size, timeout_s=60.0)
     return run_compiled(cases, compiled, launch=launch, tolerance=tolerance)
 
@@ -214,6 +203,9 @@ def verify_compiled(cases: list[Case], compiled: list[Compiled], *, world_size: 
 def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchConfig,
                  tolerance: float = 1e-5) -> list[Report]:
     """Run already compiled cases in one launch and compare each with one device.
+
+    The ranks run ``compiled``'s Programs as they are: a test may edit one (drop a
+    gradient all-reduce, say) to check that the comparison catches it.
 
     A case that raises on a rank is reported as failed; a rank that dies or
     times out fails the whole launch (:class:`~torchweave.runtime.launch.RankFailedError`).

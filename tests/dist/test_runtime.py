@@ -12,7 +12,7 @@ from tests.conftest import built
 from torchweave.parallel import compile_plan
 from torchweave.runtime.executor import StepConfig
 from torchweave.runtime.launch import LaunchConfig, RankFailedError, spawn
-from torchweave.verify import BF16_TOLERANCE, Case, verify_compiled, verify_many
+from torchweave.verify import BF16_TOLERANCE, Case, run_compiled, verify_many
 
 
 @pytest.mark.dist
@@ -47,7 +47,8 @@ def test_bf16_matches_the_bf16_reference_and_a_missing_all_reduce_is_caught() ->
     for prog in compiled[-1].programs:
         assert any(s.grad_groups for s in prog.params)
         prog.params[:] = [dataclasses.replace(s, grad_groups=()) for s in prog.params]
-    dp, zero3, fp32, wrong = verify_compiled(cases, compiled, world_size=2, tolerance=BF16_TOLERANCE)
+    dp, zero3, fp32, wrong = run_compiled(cases, compiled, launch=LaunchConfig(world_size=2),
+                                          tolerance=BF16_TOLERANCE)
     for report in (dp, zero3):
         assert report.ok, str(report)
     assert fp32.ok, str(fp32)
