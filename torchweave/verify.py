@@ -229,16 +229,20 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
         config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
     ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config,
                      _recycle_of(comp))
+    truth = None
+    if config.precision == "bf16":  # which gradients are zero, from the fp32 run of one step
+        truth = _reference(case.model, case.inputs, 1, case.optimizer,
+                           dataclasses.replace(config, precision="fp32"), _recycle_of(comp))["grads"]
     report.comm = per_rank[0]["comm"]
     report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
     shapes = {p.target: p.meta.shape for p in comp.graph.params()}
     compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
-            _assemble([r["params"] for r in per_rank], shapes))
+            _assemble([r["params"] for r in per_rank], shapes), truth)
     return report
 
 
 def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
-            params: dict[str, torch.Tensor]) -> None:
+            params: dict[str, torch.Tensor], truth: dict[str, torch.Tensor] | None = None) -> None:
     """Fill ``report`` with norm-wise relative differences.
 
     A parameter whose true gradient is zero (a key bias before softmax, say)
@@ -247,13 +251,16 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
     on it. Such parameters (and such elements of larger ones, such as the key
     part of a fused QKV bias) are compared through their gradients, against
     the model's largest gradient, and left out of the after-steps comparison;
-    the report names them and counts the elements.
+    the report names them and counts the elements. ``truth``: the gradients that
+    tell which are zero (default ``ref``'s; a bf16 run passes the fp32 ones, since
+    bf16 rounding noise is far above the floor).
     """
-    scale = max((float(g.double().norm()) for g in ref["grads"].values()), default=0.0)
+    truth = ref["grads"] if truth is None else truth
+    scale = max((float(g.double().norm()) for g in truth.values()), default=0.0)
     floor = max(scale * 1e-6, 1e-12)
-    top = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
+    top = max((float(g.abs().max()) for g in truth.values() if g.numel()), default=0.0)
     for path, want in ref["grads"].items():
-        noise = float(want.double().norm()) < floor
+        noise = float(truth.get(path, want).double().norm()) < floor
         if noise:
             report.noise.append(path)
         denom = max(scale, 1e-12) if noise else 1e-12
@@ -265,7 +272,7 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
             report.params[path] = float("inf")
             continue
         got = params[path]
-        g = ref["grads"].get(path)
+        g = truth.get(path)
         if g is not None:
             keep = g.abs() >= top * 1e-6  # elements whose own gradient is not rounding noise
             if not bool(keep.all()):
@@ -329,7 +336,7 @@ def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: Opt
                 micro = tuple(_bf16(x) if isinstance(x, torch.Tensor) else x for x in micro)
                 call = _bf16_call(m)
             loss = call(*micro) if recycle is None else recycled_forward(m, micro, *recycle, call=call)
-            (loss.float() / k).backward()
+            (loss.float() / k if config.precision == "bf16" else loss / k).backward()
             total += float(loss.detach())
         if config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), config.clip_grad_norm)
