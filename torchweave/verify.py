@@ -14,7 +14,7 @@ import dataclasses
 import traceback
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -38,7 +38,12 @@ one-device bf16 reference, which follows the runtime's recipe. Measured on llama
 So 3e-2 is 3.6x the worst correct plan and 25x below the wrong one. (For scale:
 an fp32 run against the bf16 reference differs by 9.9e-5 / 8.8e-3 / 2.8e-3 —
 as much as tp's rounding — so no tolerance tells "bf16 ignored" from a correct
-tp plan; tests check that separately.)"""
+tp plan; tests check that separately.)
+
+Not for MoE: moe-tiny's compiled bf16 program and the eager bf16 recipe differ
+even on one rank (loss 5.5447 against 5.5440, gradients up to 1.8 relative: top-k
+routing and capacity drops flip on bf16 ties), so the fuzzer compares its bf16
+draws with fp32 (``Case.reference="fp32"``) at its own 5e-2."""
 
 
 @dataclass
@@ -171,6 +176,10 @@ class Case:
     optimizer: OptimizerFactory = default_optimizer
     config: StepConfig = field(default_factory=StepConfig)
     name: str = ""
+    reference: Literal["recipe", "fp32"] = "recipe"
+    """The one-device run of a bf16 case: ``recipe`` follows the runtime's bf16 recipe
+    (see ``_reference``); ``fp32`` trains in fp32 (the fuzzer's, whose bf16 MoE draws
+    route differently from the eager recipe: see ``BF16_TOLERANCE``)."""
 
 
 def verify(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, plan: PlanLike,
@@ -225,6 +234,8 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
         report.error = "; ".join(errors)
         return report
     config = case.config
+    if case.reference == "fp32":
+        config = dataclasses.replace(config, precision="fp32")
     if comp.plan.pipeline is not None:  # one device runs the same micro-batches
         config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
     ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config,
