@@ -18,7 +18,7 @@ def test_gpu_check_cpu_smoke_writes_a_report_with_every_section(tmp_path: Path) 
     out = tmp_path / "report.md"
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--cpu-smoke",
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - t0
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     text = out.read_text()
@@ -31,4 +31,4 @@ def test_gpu_check_cpu_smoke_writes_a_report_with_every_section(tmp_path: Path) 
     for want in ("registry split checks on cpu tensors", "gpt-tiny/dp | ok",
                  "bf16 against fp32", "| fp32 |"):
         assert want in text, want
-    assert elapsed < 90, f"the smoke took {elapsed:.0f} s"
+    assert elapsed < 150, f"the smoke took {elapsed:.0f} s (about 30 s on an idle 2-core machine)"
