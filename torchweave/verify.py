@@ -14,7 +14,7 @@ import dataclasses
 import traceback
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -22,6 +22,28 @@ from torchweave.parallel import Compiled, compile_plan, rank_module
 from torchweave.policies import PlanLike
 from torchweave.runtime.executor import OptimizerFactory, StepConfig, default_optimizer
 from torchweave.runtime.launch import LaunchConfig, RankContext, spawn
+
+
+BF16_TOLERANCE = 3e-2
+"""Relative tolerance of a bf16 plan (``StepConfig(precision="bf16")``) against the
+one-device bf16 reference, which follows the runtime's recipe. Measured on llama-tiny,
+2 ranks (loss / largest gradient / largest parameter difference), 2026-12-02:
+
+- correct plans: dp 7.6e-5 / 2.6e-3 / 7.8e-4, zero3 the same, tp 4.1e-5 / 8.2e-3 /
+  2.2e-3, interlaced 9.3e-5 / 8.4e-3 / 1.5e-3, 1f1b 6e-8 / 0 / 0 (the same bf16 ops
+  in the same order). Where they differ, it is where the plan sums in another
+  order or rounds a partial sum to bf16 before the all-reduce (tp);
+- a wrong plan, dp without its gradient all-reduce: 1.4e-2 / 0.75 / 5.6e-2.
+
+So 3e-2 is 3.6x the worst correct plan and 25x below the wrong one. (For scale:
+an fp32 run against the bf16 reference differs by 9.9e-5 / 8.8e-3 / 2.8e-3 —
+as much as tp's rounding — so no tolerance tells "bf16 ignored" from a correct
+tp plan; tests check that separately.)
+
+Not for MoE: moe-tiny's compiled bf16 program and the eager bf16 recipe differ
+even on one rank (loss 5.5447 against 5.5440, gradients up to 1.8 relative: top-k
+routing and capacity drops flip on bf16 ties), so the fuzzer compares its bf16
+draws with fp32 (``Case.reference="fp32"``) at its own 5e-2."""
 
 
 @dataclass
@@ -122,7 +144,13 @@ def _rank_job(ctx: RankContext, compiled: Compiled, inputs: tuple, steps: int,
             grads = module.grad_pieces()
             comm = {f"{k.value}/{d.value}": n for (k, d), n in window.counts().items()}
         module.optimizer_step()
-    return {"losses": losses, "grads": grads, "params": module.state_pieces(), "comm": comm}
+    return {"losses": losses, "grads": _on_cpu(grads), "params": _on_cpu(module.state_pieces()),
+            "comm": comm}
+
+
+def _on_cpu(pieces: dict[str, tuple[Any, torch.Tensor | None]]) -> dict[str, tuple[Any, Any]]:
+    """Pieces moved to the CPU (a rank on a GPU returns them to a parent that compares on CPU)."""
+    return {path: (box, None if t is None else t.cpu()) for path, (box, t) in pieces.items()}
 
 
 def _assemble(pieces: list[dict[str, tuple[Any, torch.Tensor | None]]],
@@ -148,6 +176,10 @@ class Case:
     optimizer: OptimizerFactory = default_optimizer
     config: StepConfig = field(default_factory=StepConfig)
     name: str = ""
+    reference: Literal["recipe", "fp32"] = "recipe"
+    """The one-device run of a bf16 case: ``recipe`` follows the runtime's bf16 recipe
+    (see ``_reference``); ``fp32`` trains in fp32 (the fuzzer's, whose bf16 MoE draws
+    route differently from the eager recipe: see ``BF16_TOLERANCE``)."""
 
 
 def verify(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, plan: PlanLike,
@@ -181,6 +213,9 @@ def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchC
                  tolerance: float = 1e-5) -> list[Report]:
     """Run already compiled cases in one launch and compare each with one device.
 
+    The ranks run ``compiled``'s Programs as they are: a test may edit one (drop a
+    gradient all-reduce, say) to check that the comparison catches it.
+
     A case that raises on a rank is reported as failed; a rank that dies or
     times out fails the whole launch (:class:`~torchweave.runtime.launch.RankFailedError`).
     """
@@ -199,20 +234,26 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
         report.error = "; ".join(errors)
         return report
     config = case.config
+    if case.reference == "fp32":
+        config = dataclasses.replace(config, precision="fp32")
     if comp.plan.pipeline is not None:  # one device runs the same micro-batches
         config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
     ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config,
                      _recycle_of(comp))
+    truth = None
+    if config.precision == "bf16":  # which gradients are zero, from the fp32 run of one step
+        truth = _reference(case.model, case.inputs, 1, case.optimizer,
+                           dataclasses.replace(config, precision="fp32"), _recycle_of(comp))["grads"]
     report.comm = per_rank[0]["comm"]
     report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
     shapes = {p.target: p.meta.shape for p in comp.graph.params()}
     compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
-            _assemble([r["params"] for r in per_rank], shapes))
+            _assemble([r["params"] for r in per_rank], shapes), truth)
     return report
 
 
 def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
-            params: dict[str, torch.Tensor]) -> None:
+            params: dict[str, torch.Tensor], truth: dict[str, torch.Tensor] | None = None) -> None:
     """Fill ``report`` with norm-wise relative differences.
 
     A parameter whose true gradient is zero (a key bias before softmax, say)
@@ -221,13 +262,16 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
     on it. Such parameters (and such elements of larger ones, such as the key
     part of a fused QKV bias) are compared through their gradients, against
     the model's largest gradient, and left out of the after-steps comparison;
-    the report names them and counts the elements.
+    the report names them and counts the elements. ``truth``: the gradients that
+    tell which are zero (default ``ref``'s; a bf16 run passes the fp32 ones, since
+    bf16 rounding noise is far above the floor).
     """
-    scale = max((float(g.double().norm()) for g in ref["grads"].values()), default=0.0)
+    truth = ref["grads"] if truth is None else truth
+    scale = max((float(g.double().norm()) for g in truth.values()), default=0.0)
     floor = max(scale * 1e-6, 1e-12)
-    top = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
+    top = max((float(g.abs().max()) for g in truth.values() if g.numel()), default=0.0)
     for path, want in ref["grads"].items():
-        noise = float(want.double().norm()) < floor
+        noise = float(truth.get(path, want).double().norm()) < floor
         if noise:
             report.noise.append(path)
         denom = max(scale, 1e-12) if noise else 1e-12
@@ -239,7 +283,7 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
             report.params[path] = float("inf")
             continue
         got = params[path]
-        g = ref["grads"].get(path)
+        g = truth.get(path)
         if g is not None:
             keep = g.abs() >= top * 1e-6  # elements whose own gradient is not rounding noise
             if not bool(keep.all()):
@@ -249,23 +293,24 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
 
 
 def recycled_forward(model: torch.nn.Module, inputs: tuple, passes: int,
-                     links: dict[int, str]) -> torch.Tensor:
+                     links: dict[int, str], call: Callable[..., Any] | None = None) -> torch.Tensor:
     """The one-device multi-forward loop: ``passes - 1`` passes without gradients, each
     replacing input ``i`` by the (detached) output of module ``links[i]``; then the loss
-    of the pass with gradients."""
+    of the pass with gradients. ``call`` runs ``model`` (default: ``model`` itself)."""
+    call = call or model
     inputs, got = list(inputs), {}
     hooks = [model.get_submodule(path).register_forward_hook(
         lambda _mod, _args, out, i=i: got.__setitem__(i, out)) for i, path in links.items()]
     try:
         with torch.no_grad():
             for _ in range(passes - 1):
-                model(*inputs)
+                call(*inputs)
                 for i in links:
                     inputs[i] = got[i].detach()
     finally:
         for h in hooks:
             h.remove()
-    return model(*inputs)
+    return call(*inputs)
 
 
 def _recycle_of(comp: Compiled) -> tuple[int, dict[int, str]] | None:
@@ -281,7 +326,14 @@ def _recycle_of(comp: Compiled) -> tuple[int, dict[int, str]] | None:
 
 def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: OptimizerFactory,
                config: StepConfig, recycle: tuple[int, dict[int, str]] | None = None) -> dict[str, Any]:
-    """The same training on one device (with ``recycle``: the recycling loop per micro-batch)."""
+    """The same training on one device (with ``recycle``: the recycling loop per micro-batch).
+
+    With ``config.precision == "bf16"`` it follows the runtime's recipe
+    (``RankModule``): every forward computes in bf16 on casts of the fp32 master
+    parameters and buffers, with floating inputs cast to bf16; the loss goes back
+    to fp32 before backward, so gradients arrive, accumulate and are clipped in
+    fp32 on the masters, and the optimizer updates the fp32 masters.
+    """
     m = copy.deepcopy(model)
     named = dict(m.named_parameters())
     opt = optimizer(list(named.values()))
@@ -290,8 +342,12 @@ def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: Opt
         k = config.grad_accum
         total = 0.0
         for micro in zip(*[torch.chunk(x, k, dim=0) for x in inputs]):
-            loss = m(*micro) if recycle is None else recycled_forward(m, micro, *recycle)
-            (loss / k).backward()
+            call: Callable[..., Any] = m
+            if config.precision == "bf16":
+                micro = tuple(_bf16(x) if isinstance(x, torch.Tensor) else x for x in micro)
+                call = _bf16_call(m)
+            loss = call(*micro) if recycle is None else recycled_forward(m, micro, *recycle, call=call)
+            (loss.float() / k if config.precision == "bf16" else loss / k).backward()
             total += float(loss.detach())
         if config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), config.clip_grad_norm)
@@ -302,3 +358,14 @@ def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: Opt
         opt.zero_grad(set_to_none=True)
     return {"losses": losses, "grads": grads,
             "params": {k_: v.detach().clone() for k_, v in named.items()}}
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """The runtime's cast (``RankModule._cast``): floating tensors to bf16, through autograd."""
+    return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+
+def _bf16_call(m: torch.nn.Module) -> Callable[..., Any]:
+    """``m``'s forward on bf16 casts of its parameters and buffers (gradients reach the masters)."""
+    state = {n: _bf16(t) for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    return lambda *args: torch.func.functional_call(m, state, args)

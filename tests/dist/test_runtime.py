@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from tests.conftest import built
+from torchweave.parallel import compile_plan
 from torchweave.runtime.executor import StepConfig
 from torchweave.runtime.launch import LaunchConfig, RankFailedError, spawn
-from torchweave.verify import Case, verify_many
+from torchweave.verify import BF16_TOLERANCE, Case, run_compiled, verify_many
 
 
 @pytest.mark.dist
@@ -31,15 +33,28 @@ def test_accumulation_and_clipping_match_one_device() -> None:
 
 
 @pytest.mark.dist
-def test_bf16_trains_close_to_fp32_with_fp32_masters() -> None:
+def test_bf16_matches_the_bf16_reference_and_a_missing_all_reduce_is_caught() -> None:
+    """bf16 plans against the one-device bf16 recipe at BF16_TOLERANCE (see its measurements);
+    the same dp plan with its gradient all-reduce removed from every Program must fail it."""
     model, inputs = built("llama-tiny")[:2]
     bf16 = StepConfig(precision="bf16")
-    reports = verify_many([Case(model, inputs, "dp", config=bf16, name="dp/bf16"),
-                           Case(model, inputs, "zero3", config=bf16, name="zero3/bf16")],
-                          world_size=2, tolerance=5e-2)
-    for report in reports:
+    cases = [Case(model, inputs, "dp", config=bf16, name="dp/bf16"),
+             Case(model, inputs, "zero3", config=bf16, name="zero3/bf16"),
+             Case(model, inputs, "dp", name="dp/fp32"),
+             Case(model, inputs, "dp", config=bf16, name="dp/bf16 without all-reduce")]
+    compiled = [compile_plan(c.model, c.inputs, c.plan, world_size=2, precision=c.config.precision)
+                for c in cases]
+    for prog in compiled[-1].programs:
+        assert any(s.grad_groups for s in prog.params)
+        prog.params[:] = [dataclasses.replace(s, grad_groups=()) for s in prog.params]
+    dp, zero3, fp32, wrong = run_compiled(cases, compiled, launch=LaunchConfig(world_size=2),
+                                          tolerance=BF16_TOLERANCE)
+    for report in (dp, zero3):
         assert report.ok, str(report)
-        assert 0 < report.loss_diff, "bf16 compute should differ a little from fp32"
+    assert fp32.ok, str(fp32)
+    # bf16 really ran: its losses are not the fp32 ones.
+    assert max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(dp.losses, fp32.losses)) > 1e-6
+    assert not wrong.ok and wrong.max_grad_diff > 10 * BF16_TOLERANCE, str(wrong)
 
 
 def _fail_mid_step(ctx, model, inputs):

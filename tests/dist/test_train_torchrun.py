@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,8 +35,6 @@ CONFIG = {
 
 @pytest.mark.dist
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path: Path) -> None:
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not on PATH")
     reference = run(load_config(None, [f"--run_dir={tmp_path / 'ref'}"], base=CONFIG),
                     Console(file=io.StringIO()), timeout_s=60)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -25,16 +26,21 @@ def test_simulate_tp_prints_summary_and_writes_trace(tmp_path, capsys) -> None:
     assert data["otherData"]["plan"] == "tp" and data["otherData"]["step_time_s"] > 0
 
 
-def test_simulate_gantt_without_matplotlib_is_a_message(tmp_path, capsys) -> None:
+def test_simulate_gantt_writes_a_png(tmp_path) -> None:
+    png = tmp_path / "g.png"
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--gantt", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_gantt_without_matplotlib_is_a_message(tmp_path, capsys, monkeypatch) -> None:
+    # A None entry in sys.modules makes `import matplotlib` raise ImportError, as if not installed.
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     png = tmp_path / "g.png"
     assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--gantt", str(png)]) == 0
     out = capsys.readouterr().out
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib" in out and not png.exists()
-    else:
-        assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "matplotlib" in out and not png.exists()
 
 
 def test_explain_tp_rows_communication_and_comparison(capsys) -> None:

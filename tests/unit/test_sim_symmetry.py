@@ -16,11 +16,11 @@ import torch
 
 from tests.conftest import captured
 from torchweave.policies import random_plan, resolve
-from torchweave.policies.tensor import tp
+from torchweave.policies.tensor import sp, tp
 from torchweave.sim import parse_cluster
 from torchweave.sim.fold import find_blocks
 from torchweave.sim.simulate import simulate
-from torchweave.sim.symmetry import find_replicas
+from torchweave.sim.symmetry import Replicas, find_replicas
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,21 +52,37 @@ PLANS = {
     "zero2-4": lambda g: resolve("zero2", g, 4),
     "zero3-4": lambda g: resolve("zero3", g, 4),
     "tp2xdp4": lambda g: tp(g, 8, tp_size=2),
+    "tp2xdp2": lambda g: tp(g, 4, tp_size=2),
+    "tp4xdp2": lambda g: tp(g, 8, tp_size=4),
+    "sp2xdp2": lambda g: sp(g, 4, tp_size=2),
+    "sp4xdp2": lambda g: sp(g, 8, tp_size=4),
     "sp4": lambda g: resolve("sp", g, 4),
     "tp4": lambda g: resolve("tp", g, 4),
 }
+REPLICAS = {"dp4": Replicas(4, 1), "zero1-4": Replicas(4, 1), "zero2-4": Replicas(4, 1),
+            "zero3-4": Replicas(4, 1), "tp2xdp4": Replicas(4, 2), "tp2xdp2": Replicas(2, 2),
+            "tp4xdp2": Replicas(2, 4), "sp2xdp2": Replicas(2, 2), "sp4xdp2": Replicas(2, 4)}
 
 
-@pytest.mark.parametrize("name", PLANS)
+@pytest.mark.parametrize("name", REPLICAS)
 def test_one_replica_simulates_like_all_ranks(name: str) -> None:
     g = captured("gpt-tiny")
     plan = PLANS[name](g)
     cluster = parse_cluster(f"{plan.world_size}xA100-80GB-SXM@2")
     exact = simulate(g, plan, cluster, symmetry=False)
     fast = simulate(g, plan, cluster, symmetry=True)
+    # The fast path ran (one replica lowered and simulated), and the exact one did not.
+    assert fast.replicas == REPLICAS[name] and exact.replicas is None
     _same(fast, exact)
-    if find_replicas(plan, [n.name for n in g.nodes]) is not None:
-        assert fast.notes and "replicas" in fast.notes[0]
+
+
+@pytest.mark.parametrize("name", ["tp4", "sp4"])
+def test_a_plan_without_replicas_is_simulated_rank_by_rank(name: str) -> None:
+    g = captured("gpt-tiny")
+    plan = PLANS[name](g)
+    assert find_replicas(plan, [n.name for n in g.nodes]) is None
+    result = simulate(g, plan, parse_cluster("4xA100-80GB-SXM@2"), symmetry=True)
+    assert result.replicas is None and len(result.memory) == 4
 
 
 def test_irregular_device_order_is_not_symmetric() -> None:
@@ -91,6 +107,7 @@ def test_folded_blocks_extrapolate_to_the_full_model(name: str) -> None:
     cluster = parse_cluster(f"{plan.world_size}xA100-80GB-SXM@2")
     exact = simulate(g, plan, cluster, fold=False, symmetry=False)
     fast = simulate(g, plan, cluster, fold=True)
+    assert fast.folded_blocks == 8 and exact.folded_blocks is None
     _same(fast, exact)
     assert any("blocks" in n for n in fast.notes)
 
@@ -117,7 +134,7 @@ def test_48_layers_on_1024_ranks_is_fast() -> None:
     result = simulate(g, plan, parse_cluster("1024xA100-80GB-SXM"), timeline=False)
     elapsed = time.perf_counter() - t0
     assert result.world_size == 1024 and len(result.memory) == 1024 and result.step_time > 0
-    assert len(result.notes) == 2
+    assert result.folded_blocks == 48 and result.replicas == Replicas(256, 4)
     assert elapsed < 5, f"48 layers on 1,024 ranks took {elapsed:.1f} s"
 
 
@@ -130,7 +147,9 @@ def test_recompute_folds_only_when_every_block_is_recomputed() -> None:
     plan.recompute = list(blocks)
     assert find_blocks(g, plan) is not None
     cluster = parse_cluster("2xA100-80GB-SXM")
-    _same(simulate(g, plan, cluster, fold=True), simulate(g, plan, cluster, fold=False))
+    fast = simulate(g, plan, cluster, fold=True)
+    assert fast.folded_blocks == 8
+    _same(fast, simulate(g, plan, cluster, fold=False))
 
 
 def test_one_replica_with_recompute_simulates_like_all_ranks() -> None:
@@ -139,4 +158,6 @@ def test_one_replica_with_recompute_simulates_like_all_ranks() -> None:
     plan.recompute = [tuple(n.name for n in g.nodes if n.module.startswith(f"blocks.{b}."))
                       for b in range(2)]
     cluster = parse_cluster("4xA100-80GB-SXM@2")
-    _same(simulate(g, plan, cluster, symmetry=True), simulate(g, plan, cluster, symmetry=False))
+    fast = simulate(g, plan, cluster, symmetry=True)
+    assert fast.replicas == Replicas(4, 1)
+    _same(fast, simulate(g, plan, cluster, symmetry=False))

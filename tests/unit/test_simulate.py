@@ -63,9 +63,18 @@ def test_chrome_trace_is_json_with_a_pid_per_rank(tmp_path) -> None:
 
 
 def test_gantt_png(tmp_path) -> None:
-    pytest.importorskip("matplotlib")
+    # matplotlib is in the test extras: this test draws a chart, it never skips.
+    import matplotlib.image
+
     path = save_gantt_png(_sim("dp", 2), tmp_path / "gantt.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 500
+    # Bars in the compute (blue) and communication (orange) colors, not a blank canvas.
+    rgb = pixels[..., :3].reshape(-1, 3)
+    blue = ((rgb[:, 2] > 0.6) & (rgb[:, 0] < 0.3)).sum()
+    orange = ((rgb[:, 0] > 0.9) & (rgb[:, 1] > 0.4) & (rgb[:, 1] < 0.6) & (rgb[:, 2] < 0.2)).sum()
+    assert blue > 100 and orange > 10, (blue, orange)
 
 
 def test_out_of_memory_is_reported_and_strict_raises() -> None:

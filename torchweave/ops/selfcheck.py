@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from torchweave.ir.graph import Graph, Node, TensorMeta
-from torchweave.ir.interp import run_node, substitute
+from torchweave.ir.interp import on_device, run_node, substitute
 from torchweave.ops.bind import Bound, Split, bind
 from torchweave.ops.pieces import _close, combine, piece_call
 from torchweave.ops.registry import REGISTRY, Call, OpSpec, Registry
@@ -104,19 +104,25 @@ def check_split(spec: OpSpec, case: Case, bound: Bound, split: Split,
 
 
 def graph_cases(graph: Graph, state: Mapping[str, torch.Tensor],
-                inputs: tuple[torch.Tensor, ...], name: str = "") -> Iterator[Case]:
-    """Replay ``graph`` and yield each node's call on the tensors it really sees."""
+                inputs: tuple[torch.Tensor, ...], name: str = "",
+                device: torch.device | None = None) -> Iterator[Case]:
+    """Replay ``graph`` and yield each node's call on the tensors it really sees.
+
+    ``device``: the device ``state`` and ``inputs`` are on (lifted constants move
+    there, ops that make tensors make them there); None: as captured."""
     env: dict[str, torch.Tensor] = {}
     consts = graph.meta.get("constants", {})
     for v in graph.values.values():
         if v.kind in ("param", "buffer"):
-            env[v.name] = state[v.target] if v.target in state else consts[v.target]
+            t = state[v.target] if v.target in state else consts[v.target]
+            env[v.name] = t if device is None else t.to(device)
     env.update(zip(graph.inputs, inputs))
     with torch.no_grad():
         for node in graph.nodes:
-            args, kwargs = substitute(node.args, env), substitute(node.kwargs, env)
+            args = on_device(substitute(node.args, env), device)
+            kwargs = on_device(substitute(node.kwargs, env), device)
             yield Case(node.target, node.op, args, kwargs, f"{name} {node.name} {node.source}")
-            run_node(node, env)
+            run_node(node, env, device)
 
 
 def dedupe(cases: Iterator[Case]) -> list[Case]:

@@ -62,6 +62,10 @@ class LaunchConfig:
     """Number of ranks."""
     backend: Literal["gloo", "nccl", "auto"] = "auto"
     """Process-group backend; ``auto`` is nccl when CUDA is available, else gloo."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where each rank's tensors live. ``auto``: ``cuda:local_rank`` under nccl, else cpu.
+    ``cuda`` under gloo: CUDA tensors through gloo, the ranks sharing the visible GPUs
+    round-robin (``cuda:local_rank % device_count``; several ranks may share one)."""
     timeout_s: float = 60.0
     """Time-out of every collective and of the rendezvous, in seconds."""
     threads_per_rank: int | None = None
@@ -81,6 +85,10 @@ class LaunchConfig:
             bad("world_size", "must be an int >= 1")
         if self.backend not in ("gloo", "nccl", "auto"):
             bad("backend", "must be 'gloo', 'nccl' or 'auto'", "use 'auto' to pick by device")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad("device", "must be 'auto', 'cpu' or 'cuda'")
+        elif self.device == "cpu" and self.backend == "nccl":
+            bad("device", "nccl communicates CUDA tensors only", "use device='cuda' or 'auto'")
         if not _is_positive(self.timeout_s):
             bad("timeout_s", "must be a finite number > 0", "use e.g. 60.0; tests use about 5.0")
         if self.threads_per_rank is not None and (
@@ -93,8 +101,16 @@ class LaunchConfig:
 
     def resolved_backend(self) -> Literal["gloo", "nccl"]:
         if self.backend == "auto":
-            return "nccl" if torch.cuda.is_available() else "gloo"
+            return "nccl" if torch.cuda.is_available() and self.device != "cpu" else "gloo"
         return self.backend
+
+    def resolved_device(self, local_rank: int) -> torch.device:
+        """This rank's device (see ``device``)."""
+        if self.resolved_backend() == "nccl":
+            return torch.device("cuda", local_rank)
+        if self.device == "cuda":
+            return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        return torch.device("cpu")
 
     def resolved_threads(self) -> int:
         if self.threads_per_rank is not None:
@@ -118,7 +134,7 @@ class RankContext:
         """Wait for every rank, then destroy the process group."""
         if not dist.is_initialized():
             return
-        if self.device.type == "cuda":
+        if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
@@ -139,6 +155,10 @@ def spawn(fn: Callable[..., Any], config: LaunchConfig, *args: Any) -> list[Any]
             obj="LaunchConfig.world_size", value=str(config.world_size),
             rule=f"nccl needs one GPU per local rank; {torch.cuda.device_count()} visible",
             fix="lower world_size, or use backend='gloo'"))
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise LaunchError(Problem(obj="LaunchConfig.device", value="'cuda'",
+                                  rule="CUDA tensors need a visible GPU; none is",
+                                  fix="use device='auto' or 'cpu'"))
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="torchweave-spawn-") as tmp:
         out_dir = Path(tmp)
@@ -199,11 +219,9 @@ def _attempt_store(rank: int, world_size: int, config: LaunchConfig) -> dist.Sto
 def _init_rank(*, rank: int, local_rank: int, config: LaunchConfig, backend: str,
                store: dist.Store | None) -> RankContext:
     torch.set_num_threads(config.resolved_threads())
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    device = config.resolved_device(local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     timeout = timedelta(seconds=config.timeout_s)
     if store is None:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)

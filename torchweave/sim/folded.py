@@ -47,7 +47,7 @@ def simulate_folded(graph: Graph, plan: Plan, cluster: Cluster, blocks: Blocks, 
         comm=tuple(ex(a, b) for a, b in zip(two.comm_time, three.comm_time)),
         memory=memory, flops=ex(two.model_flops, three.model_flops), tokens=three.tokens_per_step,
         dtype=dtype, model=model or ComputeModel.for_device(cluster.device), strict=strict,
-        events=three.timeline, notes=notes)
+        events=three.timeline, notes=notes, replicas=three.replicas, folded_blocks=n)
 
 
 __all__ = ["simulate_folded"]

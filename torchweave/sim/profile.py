@@ -160,27 +160,38 @@ def _resolve(fn: str) -> Any:
     return resolve_target(fn)
 
 
-def median_time(fn, reps: int, *, warmup: bool = False) -> float:
-    """Median wall time of ``reps`` calls of ``fn`` (after one untimed call with ``warmup``)."""
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; the CPU does not)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, reps: int, *, warmup: bool = False, device: torch.device | str = "cpu") -> float:
+    """Median wall time of ``reps`` calls of ``fn`` (after one untimed call with ``warmup``),
+    each timed until ``device`` has finished it."""
+    device = torch.device(device)
     if warmup:
         fn()
     out = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
 
 
-def time_call(call: _Call, reps: int) -> tuple[float, float]:
-    """(forward, backward) median seconds of one piece's call."""
+def time_call(call: _Call, reps: int, device: torch.device | str = "cpu") -> tuple[float, float]:
+    """(forward, backward) median seconds of one piece's call, on ``device``."""
     f = _resolve(call.fn)
+    device = torch.device(device)
     tensors = []
     for shape, dt in call.inputs:
         if dt.is_floating_point:
-            tensors.append(torch.randn(shape, dtype=dt).requires_grad_(True))
+            tensors.append(torch.randn(shape, dtype=dt, device=device).requires_grad_(True))
         else:
-            tensors.append(torch.zeros(shape, dtype=dt))
+            tensors.append(torch.zeros(shape, dtype=dt, device=device))
     args, kwargs = _tree(lambda y: tensors[y.index] if isinstance(y, _Slot) else y,
                          (call.args, call.kwargs))
 
@@ -188,7 +199,7 @@ def time_call(call: _Call, reps: int) -> tuple[float, float]:
         return f(*args, **kwargs)
 
     fwd()  # with autograd recording, as in training
-    t_fwd = median_time(fwd, reps)
+    t_fwd = median_time(fwd, reps, device=device)
     floats = [t for t in tensors if t.requires_grad]
     out = fwd()
     outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
@@ -201,16 +212,20 @@ def time_call(call: _Call, reps: int) -> tuple[float, float]:
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
                 if isinstance(o, torch.Tensor) and o.requires_grad]
         grads = [torch.ones_like(o) for o in outs]
+        _sync(device)
         t0 = time.perf_counter()
         torch.autograd.grad(outs, floats, grads, allow_unused=True)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return t_fwd, statistics.median(times[1:])
 
 
 def profile_graph(graph: Graph, plan: Plan, profiles: OpProfiles, *,
-                  dtype: torch.dtype | None = None, reps: int = 5) -> int:
+                  dtype: torch.dtype | None = None, reps: int = 5,
+                  device: torch.device | str = "cpu") -> int:
     """Time every node piece of ``plan`` not yet in ``profiles``, and the optimizer step of
-    each rank's parameters (lowered programs); returns how many entries were timed."""
+    each rank's parameters (lowered programs), on ``device``; returns how many entries
+    were timed. ``profiles.device`` should name that device: keys do not."""
     from torchweave.lower.lower import lower
 
     done = 0
@@ -219,7 +234,7 @@ def profile_graph(graph: Graph, plan: Plan, profiles: OpProfiles, *,
                  if s.requires_grad and not s.is_buffer]
         dp = max((len(g) for s in prog.params for g in s.grad_groups if prog.rank in g), default=1)
         numels = [sum(local) // dp] if plan.zero >= 1 else local
-        done += profile_optimizer(numels, profiles, reps=reps)
+        done += profile_optimizer(numels, profiles, reps=reps, device=device)
     for node in graph.nodes:
         piece = first_piece(plan, node.name)
         if piece is None:
@@ -231,7 +246,7 @@ def profile_graph(graph: Graph, plan: Plan, profiles: OpProfiles, *,
         if call.key in profiles.table:
             continue
         try:
-            profiles.table[call.key] = time_call(call, reps)
+            profiles.table[call.key] = time_call(call, reps, device)
         except Exception:  # noqa: BLE001 - an op that cannot run on random inputs
             continue
         done += 1
@@ -243,18 +258,20 @@ def optimizer_key(numels: list[int]) -> str:
     return f"adamw|{sorted(numels)}"
 
 
-def profile_optimizer(numels: list[int], profiles: OpProfiles, *, reps: int = 5) -> bool:
-    """Time ``torch.optim.AdamW.step`` over tensors of ``numels`` elements (PyTorch's default
-    implementation for the device); False when already cached. Stored as (step, 0)."""
+def profile_optimizer(numels: list[int], profiles: OpProfiles, *, reps: int = 5,
+                      device: torch.device | str = "cpu") -> bool:
+    """Time ``torch.optim.AdamW.step`` over tensors of ``numels`` elements on ``device``
+    (PyTorch's default implementation for the device); False when already cached.
+    Stored as (step, 0)."""
     key = optimizer_key(numels)
     if key in profiles.table:
         return False
-    params = [torch.zeros(n, requires_grad=True) for n in numels]
+    params = [torch.zeros(n, requires_grad=True, device=device) for n in numels]
     for p in params:
-        p.grad = torch.randn(p.numel())
+        p.grad = torch.randn(p.numel(), device=device)
     opt = torch.optim.AdamW(params, lr=1e-3)
     opt.step()
-    profiles.table[key] = (median_time(opt.step, reps), 0.0)
+    profiles.table[key] = (median_time(opt.step, reps, device=device), 0.0)
     return True
 
 

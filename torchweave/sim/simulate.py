@@ -35,6 +35,7 @@ from torchweave.sim.cost import ComputeModel, precision_of
 from torchweave.sim.engine import Event, run
 from torchweave.sim.memory import model_state_memory
 from torchweave.sim.profile import OpProfiles
+from torchweave.sim.symmetry import Replicas
 from torchweave.sim.tasks import Builder
 
 GiB = 2**30
@@ -111,6 +112,12 @@ class SimResult:
     """How the result was obtained where not every rank and op was simulated."""
     pipeline_bubble: float | None = None
     """Pipelined plans: the schedule's idle fraction (mean over pipeline ranks)."""
+    replicas: Replicas | None = None
+    """The replica-symmetry fast path: ``replicas.count`` data-parallel replicas of
+    ``replicas.size`` ranks, one lowered and simulated for all (None: every rank simulated)."""
+    folded_blocks: int | None = None
+    """The folding fast path: this many identical blocks, extrapolated from simulations of
+    3 and 4 (None: every block simulated)."""
 
     @property
     def bubble(self) -> float:
@@ -211,7 +218,7 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         comm=tuple(runs[r].comm_busy for r in ranks), memory=tuple(memory),
         flops=sum(c.model_flops for c in builder.costs.values()),
         tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
-        dtype=dtype, model=model, strict=strict, events=events, notes=notes)
+        dtype=dtype, model=model, strict=strict, events=events, notes=notes, replicas=rep)
 
 
 def _memory(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tuple[MemoryUse, ...]:
@@ -276,7 +283,8 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
              comm: tuple[float, ...], memory: tuple[MemoryUse, ...], flops: float, tokens: int,
              dtype: torch.dtype | None, model: ComputeModel, strict: bool,
              events: list[Event], notes: tuple[str, ...] = (),
-             bubble: float | None = None) -> SimResult:
+             bubble: float | None = None, replicas: Replicas | None = None,
+             folded_blocks: int | None = None) -> SimResult:
     """The :class:`SimResult` of per-rank busy times and memory: OOM, MFU, throughput, $."""
     oom = tuple(
         OutOfMemory(rank=r, device=cluster.device.name, peak=m.peak,
@@ -300,7 +308,8 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
         memory=memory, model_flops=flops,
         mfu=flops / (step * cluster.size * peak) if step else 0.0,
         tokens_per_step=tokens, tokens_per_s=tps, usd_per_million_tokens=usd, oom=oom,
-        timeline=events, notes=notes, pipeline_bubble=bubble)
+        timeline=events, notes=notes, pipeline_bubble=bubble, replicas=replicas,
+        folded_blocks=folded_blocks)
 
 
 def lower_programs(graph: Graph, plan: Plan, symmetry: bool | None):
