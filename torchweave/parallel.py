@@ -16,7 +16,8 @@ from torchweave.codegen.render import write
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.lower.lower import lower
-from torchweave.lower.program import Program
+from torchweave.lower.program import Comm, Program
+from torchweave.lower.steps import P2P
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import validate
 from torchweave.policies import PlanLike, resolve
@@ -137,6 +138,7 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
             resolved = resolve(plan, graph, world_size)
     validate(resolved, graph, world_size=world_size)
     programs = lower(graph, resolved)
+    _check_zero3_order(resolved, programs)
     code_dir = code_dir or tempfile.mkdtemp(prefix="torchweave-code-")
     if only_rank is None:
         paths = write(programs, code_dir)
@@ -147,6 +149,25 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
         with open(os.path.join(code_dir, "plan.json"), "w") as f:
             f.write(resolved.to_json())
     return Compiled(graph, resolved, programs, paths, model_state(model, graph))
+
+
+def _check_zero3_order(plan: Plan, programs: list[Program]) -> None:
+    """ZeRO-3 gathers each parameter unit when the rank first reads it. With point-to-point
+    transfers (irregular layouts, a permuted device order), ranks of one ZeRO group may
+    reach a gather and a transfer in different orders and wait on each other forever
+    (found by bench/fuzz.py at 8 ranks)."""
+    if plan.zero != 3:
+        return
+    p2p = [f"rank {prog.rank}: {ins.value}" for prog in programs for ins in prog.instrs
+           if isinstance(ins, Comm) and isinstance(ins.step, P2P)]
+    if p2p:
+        raise TorchweaveError(Problem(
+            obj=f"plan {plan.name!r}", value=f"zero=3 with {len(p2p)} point-to-point transfers "
+                                             f"({', '.join(p2p[:3])}{', ...' if len(p2p) > 3 else ''})",
+            rule="ZeRO-3 gathers parameters as each rank first reads them, which point-to-point "
+                 "transfers between differently ordered ranks can deadlock",
+            fix="use zero=1 or zero=2, or a plan whose layouts need no point-to-point transfers "
+                "(no permuted device order)"))
 
 
 def rank_module(compiled: Compiled, gc: GroupCache, *, optimizer: OptimizerFactory,
