@@ -106,3 +106,14 @@ def test_random_plans_match_one_device(request) -> None:
             if not report.ok:
                 failures.append(f"{case.name}: {report}")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.dist
+def test_every_policy_runs_on_one_rank() -> None:
+    """World size 1 (what the GPU check runs on one GPU): zero3 once failed there, owning
+    nothing and reading a gradient that never came."""
+    model, inputs = built("gpt-tiny")[:2]
+    cases = [Case(model, inputs, name, steps=2, name=name)
+             for name in ("dp", "zero1", "zero2", "zero3", "tp", "sp")]
+    bad = [str(r) for r in verify_many(cases, world_size=1) if not r.ok]
+    assert not bad, "\n\n".join(bad)

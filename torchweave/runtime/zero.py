@@ -248,7 +248,8 @@ class ZeroOptimizer:
 
     def full_grads(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """Gradients of every piece (owned ones gathered from their shards)."""
-        rows = self._gather_rows(self.master.grad)
+        grad = self.master.grad if self.master.grad is not None else torch.zeros_like(self.master)
+        rows = self._gather_rows(grad)  # no gradient yet (or nothing owned, at one rank): zeros
         fulls = self.layout.from_rows(rows)
         return {path: fulls[self._owned_ids[id(p)]] if self.owns(p) else p.grad
                 for path, p in params.items()}
