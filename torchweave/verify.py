@@ -10,6 +10,7 @@ compared with the one-device recycling loop (:func:`recycled_forward`).
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import traceback
 import os
@@ -45,6 +46,23 @@ even on one rank (loss 5.5447 against 5.5440, gradients up to 1.8 relative: top-
 routing and capacity drops flip on bf16 ties), so the fuzzer compares its bf16
 draws with fp32 (``Case.reference="fp32"``) at its own 5e-2."""
 
+BF16_NOISE_FACTOR = 20.0
+"""A bf16 plan's tensor may differ from the reference by this many times its *spread*
+(how far one device's bf16 run of it is from its fp32 run), where that is more
+than the tolerance; the report names each tensor judged so.
+
+Why: where a gradient is a sum whose terms cancel (a LayerNorm bias under a
+residual, swin-tiny's ``norm1.bias``), bf16 rounding of the terms is large
+against the result, and any other order of the same bf16 sums lands as far
+off: the fuzzer's correct swin-tiny and moe-tiny plans differed by 0.05 to
+0.36 there. One tolerance cannot both pass those and catch a wrong plan
+elsewhere, so each tensor is judged against its own spread.
+
+Measured by ``python bench/bf16_spread.py`` (bf16 draws of the fuzz run, 2026-12-02):
+correct plans need at most 6.8 times their spread; the same plans with their
+gradient all-reduces dropped exceed 92 times it on some tensor, every one. 20
+sits 2.9x above the one and 4.6x below the other."""
+
 
 @dataclass
 class Report:
@@ -66,6 +84,27 @@ class Report:
     """Set when the plan failed to run."""
     masked: dict[str, int] = field(default_factory=dict)
     """Elements left out of the after-steps comparison (zero true gradient), per parameter."""
+    bf16_grads: dict[str, float] = field(default_factory=dict)
+    """bf16 plans only: per gradient, how far one device's bf16 run is from its fp32 run
+    (the same relative measure). A gradient may differ by ``BF16_NOISE_FACTOR`` times
+    this where that is more than ``tolerance``."""
+    bf16_params: dict[str, float] = field(default_factory=dict)
+    """The same for parameters after the steps."""
+
+    def allowed(self, what: str, path: str) -> float:
+        """The largest relative difference ``what`` (``grad`` or ``param``) of ``path`` may show."""
+        spread = (self.bf16_grads if what == "grad" else self.bf16_params).get(path, 0.0)
+        return max(self.tolerance, BF16_NOISE_FACTOR * spread)
+
+    @property
+    def loose(self) -> dict[str, float]:
+        """Tensors judged above ``tolerance`` because bf16 alone moves them that far."""
+        out = {}
+        for what, diffs in (("grad", self.grads), ("param", self.params)):
+            for path in diffs:
+                if self.allowed(what, path) > self.tolerance:
+                    out[f"{what} {path}"] = self.allowed(what, path)
+        return out
 
     @property
     def loss_diff(self) -> float:
@@ -83,7 +122,10 @@ class Report:
     def ok(self) -> bool:
         if self.error or not self.losses:
             return False
-        return max(self.loss_diff, self.max_grad_diff, self.max_param_diff) <= self.tolerance
+        return self.loss_diff <= self.tolerance and all(
+            d <= self.allowed(what, path)
+            for what, diffs in (("grad", self.grads), ("param", self.params))
+            for path, d in diffs.items())
 
     def __str__(self) -> str:
         mark = "OK" if self.ok else ("FAILED: " + self.error if self.error else "MISMATCH")
@@ -91,11 +133,18 @@ class Report:
                  f"(tolerance {self.tolerance:g} relative)",
                  f"  {'what':44s} {'max rel diff':>12s}",
                  f"  {'loss (' + str(len(self.losses)) + ' steps)':44s} {self.loss_diff:12.3g}"]
-        for title, diffs in (("grad", self.grads), ("param after steps", self.params)):
-            worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+        for what, title, diffs in (("grad", "grad", self.grads),
+                                   ("param", "param after steps", self.params)):
+            worst = sorted(diffs.items(), key=lambda kv: -kv[1] / self.allowed(what, kv[0]))[:5]
             for path, d in worst:
-                flag = "" if d <= self.tolerance else "  <-- over"
+                limit = self.allowed(what, path)
+                flag = "" if d <= limit else "  <-- over"
+                if limit > self.tolerance:
+                    flag += f"  (bf16 allows {limit:.3g})"
                 lines.append(f"  {title + ' ' + path:44.44s} {d:12.3g}{flag}")
+        if self.loose:
+            lines.append(f"  {len(self.loose)} tensors judged loosely, bf16 alone moving them "
+                         f"over {self.tolerance:g} on one device (see their 'bf16 allows')")
         if self.masked:
             lines.append("  elements with zero true gradient, compared by gradient only: "
                          + ", ".join(f"{k} ({n})" for k, n in self.masked.items()))
@@ -234,16 +283,24 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
         report.error = "; ".join(errors)
         return report
     config = case.config
-    if case.reference == "fp32":
-        config = dataclasses.replace(config, precision="fp32")
     if comp.plan.pipeline is not None:  # one device runs the same micro-batches
         config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
-    ref = _reference(case.model, case.inputs, case.steps, case.optimizer, config,
-                     _recycle_of(comp))
+
+    def one_device(precision: str) -> dict[str, Any]:
+        return _reference(case.model, case.inputs, case.steps, case.optimizer,
+                          dataclasses.replace(config, precision=precision), _recycle_of(comp))
+
+    ref = one_device("fp32" if case.reference == "fp32" else config.precision)
     truth = None
-    if config.precision == "bf16":  # which gradients are zero, from the fp32 run of one step
-        truth = _reference(case.model, case.inputs, 1, case.optimizer,
-                           dataclasses.replace(config, precision="fp32"), _recycle_of(comp))["grads"]
+    if config.precision == "bf16":
+        # which gradients are zero, from fp32; and how far bf16 alone moves each tensor
+        # on one device: the other of the two one-device runs against the reference
+        other = one_device("bf16" if case.reference == "fp32" else "fp32")
+        fp32 = ref if case.reference == "fp32" else other
+        truth = fp32["grads"]
+        spread = Report(report.plan, 1, case.steps, tolerance)
+        compare(spread, ref, other["grads"], other["params"], truth)
+        report.bf16_grads, report.bf16_params = spread.grads, spread.params
     report.comm = per_rank[0]["comm"]
     report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
     shapes = {p.target: p.meta.shape for p in comp.graph.params()}
@@ -350,7 +407,7 @@ def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: Opt
             (loss.float() / k if config.precision == "bf16" else loss / k).backward()
             total += float(loss.detach())
         if config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), config.clip_grad_norm)
+            clip_exact(list(named.values()), config.clip_grad_norm)
         if step == 0:
             grads = {k_: v.grad.detach().clone() for k_, v in named.items() if v.grad is not None}
         losses.append(total / k)
@@ -358,6 +415,23 @@ def _reference(model: torch.nn.Module, inputs: tuple, steps: int, optimizer: Opt
         opt.zero_grad(set_to_none=True)
     return {"losses": losses, "grads": grads,
             "params": {k_: v.detach().clone() for k_, v in named.items()}}
+
+
+def clip_exact(params: list[torch.Tensor], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s rule (scale by ``max_norm / (norm + 1e-6)``
+    when under 1) with the norm summed in float64, as the runtime sums it.
+
+    PyTorch's own norm of a float32 gradient is not exact enough to judge by: on
+    CPU, the 2M-element float32 head of t5-tiny comes out 4.6e-5 low, so every
+    clipped gradient of a correct plan would be 3e-5 off (found by the fuzzer).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return norm
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:

@@ -64,3 +64,26 @@ def test_a_weight_read_twice_on_and_off_the_input_path() -> None:
     torch.testing.assert_close(x.grad, want_x)
     split.weights()
     torch.testing.assert_close(table.grad, want)
+
+
+def test_an_input_passed_on_unchanged_gets_its_gradient_in_i() -> None:
+    """A stage that forwards a received tensor as it is (its output *is* the input leaf),
+    next to one it computes on: I must hand both gradients back (found by the fuzzer: a
+    pipeline stage holding only mask arithmetic, between the embeddings and the blocks)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    hidden = torch.randn(2, 4, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    g_hidden, g_y = torch.randn(2, 4), torch.randn(2, 4)
+    y = x @ w
+    torch.autograd.backward([hidden, y], [g_hidden, g_y])
+    want = hidden.grad.clone(), x.grad.clone(), w.grad.clone()
+    for t in (hidden, x, w):
+        t.grad = None
+    y = x @ w
+    split = SplitBackward([hidden, y], [g_hidden, g_y], [hidden, x], [w])
+    torch.testing.assert_close(hidden.grad, want[0])
+    torch.testing.assert_close(x.grad, want[1])
+    assert w.grad is None
+    split.weights()
+    torch.testing.assert_close(w.grad, want[2])

@@ -58,8 +58,15 @@ class SplitBackward:
         self.edges = {n: [leaf_of.get(c, GradientEdge(c, nr)) for c, nr in n.next_functions
                           if c is not None and reach_param[c] and not reach_in[c]]
                       for n in self.frontier}
+        # a root that is an input itself (a tensor the stage passes on unchanged): its
+        # gradient is the input's, now
+        through = [any(r is x for x in inputs) for r in roots]
+        for r, g, x in zip(roots, grads, through):
+            if x:
+                _accumulate(r, g)
         # roots that never reach an input: their whole backward is weight gradient
-        late = [r.grad_fn is None or not reach_in.get(r.grad_fn, False) for r in roots]
+        late = [not x and (r.grad_fn is None or not reach_in.get(r.grad_fn, False))
+                for r, x in zip(roots, through)]
         self.later = [(r, g) for r, g, x in zip(roots, grads, late) if x]
         self.captured: dict[Any, tuple] = {}
 
@@ -70,7 +77,7 @@ class SplitBackward:
             return hook
 
         handles = [n.register_prehook(keep(n)) for n in self.frontier]
-        now = [(r, g) for r, g, x in zip(roots, grads, late) if not x]
+        now = [(r, g) for r, g, x, y in zip(roots, grads, late, through) if not (x or y)]
         try:
             if now and inputs:  # the graph is kept for W
                 torch.autograd.backward([r for r, _ in now], [g for _, g in now], inputs=inputs,

@@ -1,0 +1,47 @@
+"""The single-device reference that verify judges plans against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchweave.verify import clip_exact
+
+
+def test_the_reference_clips_by_the_exact_norm() -> None:
+    """A float32 gradient of two million elements (the size of t5-tiny's head): the norm
+    the reference clips by is the float64 one, to float32 rounding."""
+    torch.manual_seed(0)
+    p = torch.zeros(32128, 64, requires_grad=True)
+    p.grad = torch.randn(32128, 64) * torch.rand(32128, 1) ** 4 * 1e-3
+    exact = math.sqrt(float(p.grad.double().pow(2).sum()))
+    want = p.grad.double() * (0.01 / (exact + 1e-6))
+    norm = clip_exact([p], 0.01)
+    assert abs(norm / exact - 1) < 1e-12
+    assert float((p.grad.double() - want).abs().max() / want.abs().max()) < 1e-6
+
+
+def test_under_the_threshold_nothing_changes() -> None:
+    p = torch.zeros(3, requires_grad=True)
+    p.grad = torch.tensor([1e-3, 0.0, -2e-3])
+    before = p.grad.clone()
+    clip_exact([p, torch.zeros(2, requires_grad=True)], 1.0)  # a parameter with no gradient
+    assert torch.equal(p.grad, before)
+
+
+def test_a_bf16_tensor_is_judged_against_its_own_spread() -> None:
+    """Where bf16 alone moves a tensor far on one device, it may move that far times
+    BF16_NOISE_FACTOR under a plan, and the report says so; elsewhere the tolerance holds."""
+    from torchweave.verify import BF16_NOISE_FACTOR, Report
+
+    r = Report("p", 2, 2, 0.05, losses=[(1.0, 1.0)], grads={"norm.bias": 0.3, "w": 0.01},
+               params={"w": 0.01}, bf16_grads={"norm.bias": 0.3 / BF16_NOISE_FACTOR * 1.1, "w": 0.5})
+    assert r.ok, str(r)
+    assert r.allowed("grad", "w") == BF16_NOISE_FACTOR * 0.5 and r.allowed("param", "w") == 0.05
+    assert "bf16 allows" in str(r) and "judged loosely" in str(r)
+    r.bf16_grads["norm.bias"] = 0.3 / BF16_NOISE_FACTOR * 0.9
+    assert not r.ok and "<-- over" in str(r)
+    r.bf16_grads.clear()
+    r.grads["norm.bias"] = 0.05
+    assert r.ok and "judged loosely" not in str(r)
