@@ -13,6 +13,10 @@ from rich.markup import escape
 from torchweave.errors import TorchweaveError
 
 
+PLAN_HELP = ("a plan string, POLICY[:KEY=VALUE,...] (dp, zero3:recompute=full, tp:tp=4,zero=1, "
+             "1f1b:tp=2,dp=2,micro=8, interleaved:pp=4,virtual=2,recompute=selective), or a plan.json")
+
+
 def _inspect(args: argparse.Namespace, console: Console) -> int:
     import resource
 
@@ -99,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="build a plan with a policy; show it, save it as JSON, "
                         "write each rank's generated code")
     pl.add_argument("model", metavar="MODEL")
-    pl.add_argument("--plan", default="dp", help="policy name or plan.json (default: dp)")
+    pl.add_argument("--plan", default="dp", help=PLAN_HELP + " (default: dp)")
     pl.add_argument("--world-size", type=int, default=2)
     pl.add_argument("--out", metavar="PLAN_JSON", help="write the plan as JSON")
     pl.add_argument("--code", metavar="DIR", help="write rank{r}.py for every rank")
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="run a plan on N local processes beside one device and "
                          "compare loss, every gradient and the parameters after k steps")
     ver.add_argument("model", metavar="MODEL")
-    ver.add_argument("--plan", default="dp", help="policy name (dp, zero1-3, tp, sp, random) or plan.json")
+    ver.add_argument("--plan", default="dp", help=PLAN_HELP + " (default: dp)")
     ver.add_argument("--world-size", type=int, default=2)
     ver.add_argument("--steps", type=int, default=3)
     ver.add_argument("--grad-accum", type=int, default=1)
@@ -135,7 +139,7 @@ def _add_sim_commands(sub) -> None:
                          "time, bubble, memory per device, MFU, tokens/s, $ per million tokens")
     sim.add_argument("model", metavar="MODEL")
     sim.add_argument("--cluster", required=True, metavar="SPEC", help=cluster_help)
-    sim.add_argument("--plan", default="dp", help="policy name or plan.json (default: dp)")
+    sim.add_argument("--plan", default="dp", help=PLAN_HELP + " (default: dp)")
     sim.add_argument("--world-size", type=int, help="ranks (default: the cluster's size)")
     sim.add_argument("--meta", action="store_true", help="build the model on the meta device")
     sim.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),

@@ -40,7 +40,7 @@ def _mid_block_cuts(graph, world_size):
 
 def _recompute(graph, world_size):
     from torchweave.policies import resolve
-    from torchweave.policies.pipeline import with_recompute
+    from torchweave.policies.recompute import with_recompute
 
     return with_recompute(resolve("1f1b", graph, world_size), graph, ("mlp", "attn"))
 

@@ -15,7 +15,8 @@ from torchweave.plan.schedules import (
 )
 from torchweave.plan.validate import PlanError, validate
 from torchweave.policies import resolve
-from torchweave.policies.pipeline import pipeline, with_recompute, with_schedule
+from torchweave.policies.pipeline import pipeline, with_schedule
+from torchweave.policies.recompute import with_recompute
 from torchweave.runtime.executor import RankModule
 from torchweave.runtime.groups import GroupCache
 
@@ -45,7 +46,7 @@ def test_overrides_in_the_name() -> None:
     plan = resolve("1f1b:micro=4,tp=2,dp=2,zero=1", graph, 8)
     assert plan.pipeline.micro_batches == 4 and plan.pipeline.groups == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert str(plan.mesh) and plan.zero == 1 and plan.zero_axis == "dp"
-    with pytest.raises(TorchweaveError, match="options are KEY=N"):
+    with pytest.raises(TorchweaveError, match="micro is a whole number"):
         resolve("1f1b:micro=four", graph, 2)
 
 

@@ -168,3 +168,21 @@ def test_explain_folded_model_gives_every_block_its_communication() -> None:
             by_block[b] = by_block.get(b, 0.0) + row.comm_time
     assert set(by_block) == set(range(20))
     assert by_block[12] == pytest.approx(by_block[3]) and by_block[12] > 0
+
+
+def test_out_of_memory_says_whether_the_leanest_plan_fits_and_by_how_much(tmp_path, capsys) -> None:
+    """The report measures against zero3 with full recompute: here it fits (devices big enough
+    for the sharded state), there it misses, by a number of GiB per device."""
+    roomy = tmp_path / "roomy.yaml"
+    roomy.write_text("name: pair\ndevice:\n  base: A100-80GB-SXM\n  name: small-2MiB\n"
+                     "  memory_bytes: 2097152\nnodes: 1\ndevices_per_node: 2\n")
+    assert main(["simulate", "gpt-tiny", "--cluster", str(roomy), "--plan", "dp"]) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF MEMORY" in out and "as zero3:recompute=full it fits" in out, out
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text("name: pair\ndevice:\n  base: A100-80GB-SXM\n  name: tiny-64KiB\n"
+                    "  memory_bytes: 65536\nnodes: 1\ndevices_per_node: 2\n")
+    assert main(["simulate", "gpt-tiny", "--cluster", str(tiny), "--plan", "dp"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit 2 x tiny-64KiB even as zero3:recompute=full" in out, out
+    assert "GiB over its" in out

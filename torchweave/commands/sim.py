@@ -134,6 +134,7 @@ def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
                       f"({worst.device}); biggest contributors on rank {worst.rank}: "
                       + ", ".join(f"{w} {n / GiB:.3g} GiB" for w, n in worst.contributors[:3]),
                       highlight=False, markup=False)
+        console.print(_leanest(setup), highlight=False, markup=False)
     if args.trace:
         import json
 
@@ -147,6 +148,36 @@ def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
         except TorchweaveError as exc:
             console.print(f"no Gantt chart: {exc}", highlight=False, markup=False)
     return 1 if result.oom else 0
+
+
+LEANEST = "zero3:recompute=full"
+"""The plan an out-of-memory report measures against: every model state sharded, every
+block keeping only its input."""
+
+
+def _leanest(setup: Setup) -> str:
+    """Whether the model fits the cluster's devices at all: :data:`LEANEST` on the same
+    ranks, and by how much it misses, per device."""
+    from torchweave.policies import resolve
+    from torchweave.sim.simulate import simulate
+
+    n = setup.plan.world_size
+    try:
+        lean = resolve(LEANEST, setup.graph, n)
+    except TorchweaveError as e:  # a model without numbered blocks has nothing to recompute
+        lean = resolve("zero3", setup.graph, n)
+        note = f" (no full recompute: {str(e).splitlines()[0]})"
+    else:
+        note = ""
+    r = simulate(setup.graph, lean, setup.cluster, dtype=setup.dtype, timeline=False)
+    peak, cap = max(r.peak_memory), setup.cluster.device.memory_bytes
+    if peak > cap:
+        return (f"the model does not fit {n} x {setup.cluster.device.name} even as "
+                f"{lean.notes.get('spec', lean.name)}{note}: {peak / GiB:.3g} GiB per device, "
+                f"{(peak - cap) / GiB:.3g} GiB over its {cap / GiB:.3g} GiB; "
+                f"fix: more devices, tensor or pipeline parallelism, or a bigger device")
+    return (f"as {lean.notes.get('spec', lean.name)}{note} it fits: {peak / GiB:.3g} GiB per "
+            f"device of {cap / GiB:.3g} GiB")
 
 
 # ------------------------------------------------------------------- explain

@@ -36,6 +36,7 @@ from torchweave.plan.schedules import (
     zero_bubble_h1,
 )
 from torchweave.policies.data import dp as dp_policy
+from torchweave.policies.recompute import block_of as _block
 from torchweave.policies.tensor import tp as tp_policy
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb"]
@@ -203,29 +204,6 @@ def with_schedule(plan: Plan, schedule: Schedule | str,
     plan.pipeline.schedule = apply_orders(sched, orders) if orders else sched
     plan.pipeline.kind = "custom"
     return plan
-
-
-def with_recompute(plan: Plan, graph: Graph, modules: tuple[str, ...]) -> Plan:
-    """``plan`` recomputing, in backward, the nodes of each module whose path ends with one of
-    ``modules`` (``("mlp", "attn")``): one recompute group per module instance."""
-    groups: dict[str, list[str]] = {}
-    for node in graph.nodes:
-        parts = node.module.split(".")
-        for j in range(len(parts), 0, -1):
-            if parts[j - 1] in modules:
-                groups.setdefault(".".join(parts[:j]), []).append(node.name)
-                break
-    plan.recompute = [tuple(g) for g in groups.values()]
-    return plan
-
-
-def _block(module: str) -> str:
-    """``blocks.3.attn`` → ``blocks.3``; outside numbered blocks, ``""``."""
-    parts = module.split(".")
-    for j, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:j + 1])
-    return ""
 
 
 def cut(graph: Graph, stages: int, nodes: list | None = None) -> dict[str, int]:

@@ -11,6 +11,7 @@ rules between fields (batch arithmetic, say) and shows the arithmetic.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-from torchweave.errors import Problem
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.policies.spec import PlanSpec
 from torchweave.train.typed import ConfigError, build
 
 
@@ -139,24 +141,16 @@ class ScheduleConfig:
             raise ConfigError(problems)
 
 
-# Plans whose every rank holds a different part of each sample (no data parallelism).
-_NO_DP_PLANS = ("tp", "sp")
-# Pipeline plans ("1f1b", "zb:micro=8,dp=2,tp=2"): data-parallel degree is their ``dp`` option.
-_PIPELINE_PLANS = ("gpipe", "1f1b", "interleaved", "zb", "interlaced")
-
-
 def _plan_dp(plan: str, world_size: int) -> tuple[int, str]:
-    """The data-parallel degree a plan name implies, and how (for error messages)."""
-    name, _, opts = plan.partition(":")
-    if name in _NO_DP_PLANS:
-        return 1, f"plan {plan!r}: dp = 1"
-    if name in _PIPELINE_PLANS:
-        for item in opts.split(","):
-            key, _, value = item.partition("=")
-            if key.strip() == "dp" and value.strip().isdigit():
-                return int(value), f"plan {plan!r}: dp = its dp option"
-        return 1, f"plan {plan!r}: dp = its dp option, 1 by default"
-    return world_size, f"plan {plan!r}: dp = world_size"
+    """The data-parallel degree a plan string implies, and how (for error messages); a bad
+    plan string is a :class:`ConfigError` on ``parallel.plan``."""
+    if plan == "auto" or plan.endswith(".json"):
+        return world_size, f"plan {plan!r}: dp = world_size"
+    try:
+        spec = PlanSpec.parse(plan)
+    except TorchweaveError as e:
+        raise ConfigError([dataclasses.replace(p, obj=f"parallel.plan: {p.obj}") for p in e.problems]) from None
+    return spec.dp(world_size), f"plan {plan!r}: dp = {spec.dp(world_size)}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,9 +158,11 @@ class ParallelConfig:
     """How the work is split over ranks."""
 
     plan: str = "dp"
-    """A built-in policy (``dp``, ``zero1``-``zero3``, ``tp``, ``sp``), a pipeline
-    (``gpipe``, ``1f1b``, ``interleaved``, ``zb``, ``interlaced``, with options such as
-    ``1f1b:micro=8,dp=2,tp=2``; each ``micro_batch`` batch is cut into the schedule's
+    """A plan string: a built-in policy (``dp``, ``zero1``-``zero3``, ``tp``, ``sp``, or a
+    pipeline: ``gpipe``, ``1f1b``, ``interleaved``, ``zb``, ``interlaced``) with options,
+    such as ``zero3:recompute=full``, ``tp:tp=2,zero=1`` or
+    ``1f1b:micro=8,dp=2,tp=2,recompute=selective`` (all of them:
+    ``torchweave.policies.spec``; a pipeline cuts each ``micro_batch`` batch into its
     micro-batches), a plan.json path (taken as data-parallel over the world),
     or ``auto``: the data-parallel policy (``dp``, ``zero1``-``zero3``) the simulator
     predicts fastest on this machine among those that fit in memory."""

@@ -1,0 +1,156 @@
+"""Plan strings (``POLICY:KEY=VALUE,...``) for every policy, and recompute as a plan option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import built, captured, state_of
+from torchweave.codegen.render import write
+from torchweave.errors import TorchweaveError
+from torchweave.lower.lower import lower
+from torchweave.policies import resolve
+from torchweave.policies.recompute import with_recompute
+from torchweave.policies.spec import OPTIONS, PlanSpec
+from torchweave.runtime.executor import RankModule
+from torchweave.runtime.groups import GroupCache
+from torchweave.train.config import ParallelConfig
+from torchweave.train.typed import ConfigError
+
+
+def test_every_policy_takes_its_options() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("tp:tp=2,zero=1", graph, 4)
+    assert plan.mesh.dim("tp") == 2 and plan.mesh.dim("dp") == 2 and plan.zero == 1
+    assert resolve("sp:dp=2", graph, 4).mesh.dim("tp") == 2
+    assert resolve("dp:zero=2", graph, 4).zero == 2 and resolve("zero3:dp=4", graph, 4).zero == 3
+    plan = resolve("interleaved:tp=2,pp=2,virtual=2,micro=4,recompute=selective", graph, 4)
+    assert plan.pipeline.stages == 4 and plan.pipeline.micro_batches == 4 and plan.recompute
+    assert plan.notes["spec"] == "interleaved:tp=2,pp=2,virtual=2,micro=4,recompute=selective"
+    assert resolve("interlaced:micro=4", graph, 2).pipeline.micro_batches == 4
+    assert set(OPTIONS) >= {"dp", "zero1", "zero2", "zero3", "tp", "sp", "gpipe", "1f1b",
+                            "interleaved", "zb", "interlaced"}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("1f1b:virtual=3", ["option 'virtual'", "1f1b takes pp, tp, dp, micro", "only the interleaved"]),
+    ("dp:tp=2", ["option 'tp'", "dp takes dp, zero, recompute"]),
+    ("1f1b:zero=4", ["zero=4", "0, 1, 2 or 3"]),
+    ("1f1b:micro=0", ["micro=0", "at least 1"]),
+    ("1f1b:micro=2,micro=4", ["given once"]),
+    ("1f1b:micro", ["KEY=VALUE"]),
+    ("pipedream:pp=2", ["'pipedream:pp=2'", "POLICY one of dp, zero1"]),
+    ("dp:recompute=a.b", ["module names joined by '+'"]),
+])
+def test_a_bad_option_is_refused_before_any_graph_with_what_is_allowed(text, words) -> None:
+    with pytest.raises(TorchweaveError) as info:
+        PlanSpec.parse(text)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_options_that_do_not_fit_the_world_name_both_sizes() -> None:
+    graph = captured("gpt-tiny")
+    with pytest.raises(TorchweaveError, match=r"dp = world_size \(4\)"):
+        resolve("dp:dp=2", graph, 4)
+    with pytest.raises(TorchweaveError, match=r"tp × dp = world_size \(4\)"):
+        resolve("tp:tp=2,dp=4", graph, 4)
+    with pytest.raises(TorchweaveError) as info:  # not a mode, not a module of the model
+        resolve("1f1b:recompute=everything", graph, 2)
+    for w in ("none, full, selective", "no module 'everything'", "attn", "mlp"):
+        assert w in str(info.value), str(info.value)
+
+
+def test_the_train_config_reads_the_same_strings() -> None:
+    assert ParallelConfig(plan="tp:tp=2", world_size=4, micro_batch=2, global_batch=4).dp == 2
+    assert ParallelConfig(plan="1f1b:dp=2,tp=1", world_size=4, micro_batch=2, global_batch=4).dp == 2
+    assert ParallelConfig(plan="zero3:recompute=full", world_size=2, micro_batch=2, global_batch=4).dp == 2
+    with pytest.raises(ConfigError, match="parallel.plan.*micro=0"):
+        ParallelConfig(plan="1f1b:micro=0", world_size=2)
+
+
+def test_full_selective_and_module_recompute_groups() -> None:
+    graph = captured("gpt-tiny")
+    by_name = {n.name: n for n in graph.nodes}
+    full = resolve("dp:recompute=full", graph, 2).recompute
+    blocks = sorted({n.module.split(".")[1] for n in graph.nodes if n.module.startswith("blocks.")})
+    assert len(full) == len(blocks)
+    assert all(len({by_name[x].module.split(".")[1] for x in g}) == 1 for g in full)
+    selective = resolve("dp:recompute=selective", graph, 2).recompute
+    assert len(selective) == len(blocks)
+    params = {v for v, val in graph.values.items() if val.kind == "param"}
+    for g in selective:  # the attention core: no projection, the attention op first
+        assert "scaled_dot_product_attention" in by_name[g[0]].target
+        assert not any(r.name in params for x in g for r in by_name[x].input_refs())
+    assert len(resolve("dp:recompute=mlp+attn", graph, 2).recompute) == 2 * len(blocks)
+    assert resolve("dp:recompute=none", graph, 2).recompute == []
+
+
+def test_selective_finds_a_hand_written_attention_core() -> None:
+    graph = captured("llama-tiny")
+    groups = resolve("dp:recompute=selective", graph, 2).recompute
+    targets = [{next(n for n in graph.nodes if n.name == x).target for x in g} for g in groups]
+    assert groups and all(t & {"aten._softmax.default", "aten.softmax.int",
+                               "aten.scaled_dot_product_attention.default"} for t in targets)
+
+
+def test_recompute_groups_stop_at_pipeline_stages() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("1f1b:pp=2", graph, 2)
+    middle = next(i for i, n in enumerate(graph.nodes) if n.module.startswith("blocks.0.mlp"))
+    from torchweave.policies.pipeline import pipeline
+
+    plan = pipeline(graph, 2, schedule="1f1b", cuts=[middle])  # a cut inside block 0
+    with_recompute(plan, graph, "full")
+    for g in plan.recompute:
+        assert len({plan.pipeline.stage_of[x] for x in g}) == 1
+    assert len(plan.recompute) == 3  # block 0 in two pieces, block 1 whole
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_keeps_less_and_computes_the_same(tmp_path, mode) -> None:
+    model, inputs = built("gpt-tiny")[:2]
+    graph = captured("gpt-tiny")
+    state = {k: v.detach() for k, v in state_of(model).items()}
+    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    out = []
+    for spec in ("dp", f"dp:recompute={mode}"):
+        plan = resolve(spec, graph, 1)
+        (path,) = write(lower(graph, plan), str(tmp_path / spec.replace(":", "_").replace("=", "_")))
+        module = RankModule(lower(graph, plan)[0], path, state, gc)
+        saved = _saved(module, inputs)
+        loss = module.backward_step(*inputs)
+        out.append((saved, loss, {p: t.grad.clone() for p, t in module.params.items() if t.grad is not None}))
+    (s0, l0, g0), (s1, l1, g1) = out
+    assert s1 < s0, (s1, s0)
+    assert l0 == l1
+    for p in g0:
+        torch.testing.assert_close(g1[p], g0[p], rtol=1e-6, atol=1e-8)
+
+
+def test_the_simulator_sees_what_each_recompute_keeps() -> None:
+    from torchweave.sim import simulate
+    from torchweave.sim.cluster import parse_cluster
+
+    graph = captured("gpt-tiny")
+    cluster = parse_cluster("2xA100-80GB-SXM")
+    res = {m: simulate(graph, resolve(f"dp:recompute={m}", graph, 2), cluster, timeline=False)
+           for m in ("none", "selective", "full")}
+    acts = {m: r.memory[0].activations for m, r in res.items()}
+    assert acts["full"] < acts["selective"] < acts["none"], acts
+    steps = {m: r.step_time for m, r in res.items()}
+    assert steps["none"] < steps["selective"] < steps["full"], steps  # each pays its forward again
+
+
+def _saved(module: RankModule, inputs) -> int:
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in module.params.values()}
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module.forward(*inputs)
+    return sum(seen.values())

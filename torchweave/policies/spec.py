@@ -1,0 +1,174 @@
+"""Plan strings: ``POLICY[:KEY=VALUE,...]``, one grammar for every built-in policy.
+
+``"dp"``, ``"zero3:recompute=full"``, ``"tp:tp=8,zero=1"``,
+``"interleaved:tp=8,pp=8,virtual=3,micro=16,recompute=selective"``. The same
+string works in the Python API (``plan=``), on the command line (``--plan``) and
+in a train config (``parallel.plan``). :class:`PlanSpec` parses and checks it
+with no graph at hand, so a bad option is refused before anything is captured,
+with the options and values the policy allows; :meth:`PlanSpec.build` makes the
+Plan on a graph.
+
+Options (each policy takes those listed in :data:`OPTIONS`):
+
+============  =================================================================
+``dp``        data-parallel degree (for ``dp`` and ``zero*``: the world size)
+``tp``        tensor-parallel degree (``tp``, ``sp``, pipelines)
+``pp``        pipeline ranks (pipelines; default: world / (dp × tp))
+``micro``     micro-batches per step (pipelines; default 2 × pp)
+``virtual``   stages per pipeline rank (``interleaved`` only)
+``stages``    total stages, a check: pp × virtual (pipelines)
+``zero``      ZeRO stage 0–3 over the data-parallel axis
+``recycle``   forward passes per micro-batch (multi-forward pipelines)
+``recompute`` ``none``, ``full``, ``selective``, or module names ``mlp+attn``
+              (:mod:`torchweave.policies.recompute`)
+============  =================================================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.ir.graph import Graph
+from torchweave.plan.plan import Plan
+from torchweave.policies.data import dp as dp_policy
+from torchweave.policies.pipeline import SCHEDULES, interlaced
+from torchweave.policies.pipeline import pipeline as pipeline_policy
+from torchweave.policies.random import random_plan
+from torchweave.policies.recompute import MODES, with_recompute
+from torchweave.policies.tensor import sp as sp_policy
+from torchweave.policies.tensor import tp as tp_policy
+
+_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute")
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp", "zero", "recompute"),
+    "zero1": ("dp", "recompute"), "zero2": ("dp", "recompute"), "zero3": ("dp", "recompute"),
+    "tp": ("tp", "dp", "zero", "recompute"), "sp": ("tp", "dp", "zero", "recompute"),
+    "random": ("recompute",),
+    **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
+    "interleaved": (*_PIPE, "virtual"),
+    "interlaced": ("micro", "recompute"),
+}
+"""The options each built-in policy takes."""
+
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_value(key: str, value: str) -> tuple[Any, str | None]:
+    """(parsed value, None) or (None, the rule it breaks)."""
+    if key == "recompute":
+        names = value.split("+")
+        if value in MODES or all(_MODULE.fullmatch(n) for n in names):
+            return value, None
+        return None, f"recompute is one of {', '.join(MODES)}, or module names joined by '+'"
+    if not value.isdigit():
+        return None, f"{key} is a whole number"
+    n = int(value)
+    if key == "zero":
+        return (n, None) if n <= 3 else (None, "zero is a ZeRO stage: 0, 1, 2 or 3")
+    return (n, None) if n >= 1 else (None, f"{key} is at least 1")
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """A parsed, checked plan string."""
+
+    policy: str
+    options: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> PlanSpec:
+        """Parse ``text``; every problem at once, each naming the option, the rule and a fix."""
+        name, _, rest = text.strip().partition(":")
+        if name not in OPTIONS:
+            raise TorchweaveError(Problem(
+                obj="plan", value=repr(text),
+                rule=f"POLICY[:KEY=VALUE,...] with POLICY one of {', '.join(OPTIONS)}",
+                fix="e.g. 'dp', 'zero3:recompute=full', 'tp:tp=4', '1f1b:tp=2,dp=2,micro=8', "
+                    "or a plan.json path"))
+        allowed = OPTIONS[name]
+        problems, options = [], {}
+        for item in (x.strip() for x in rest.split(",")) if rest.strip() else ():
+            key, eq, value = (p.strip() for p in item.partition("="))
+            if not eq or not key or not value:
+                problems.append(Problem(obj=f"plan {text!r}", value=repr(item), rule="options are KEY=VALUE",
+                                        fix=f"e.g. '{name}:{allowed[0]}=2'"))
+            elif key not in allowed:
+                why = (" (only the interleaved schedule runs several stages per rank)"
+                       if key == "virtual" and name in SCHEDULES else "")
+                problems.append(Problem(obj=f"plan {text!r}", value=f"option {key!r}",
+                                        rule=f"{name} takes {', '.join(allowed)}{why}",
+                                        fix=f"drop {key}, or use a policy that takes it"))
+            elif key in options:
+                problems.append(Problem(obj=f"plan {text!r}", value=f"option {key!r}",
+                                        rule="each option is given once"))
+            else:
+                parsed, rule = _check_value(key, value)
+                if rule:
+                    problems.append(Problem(obj=f"plan {text!r}", value=f"{key}={value}", rule=rule))
+                else:
+                    options[key] = parsed
+        if problems:
+            raise TorchweaveError(problems)
+        return cls(name, options, text.strip())
+
+    def dp(self, world_size: int) -> int:
+        """The data-parallel degree: ranks that see different samples."""
+        o = self.options
+        if self.policy in ("dp", "zero1", "zero2", "zero3"):
+            return o.get("dp", world_size)
+        if self.policy in ("tp", "sp"):
+            if "dp" in o:
+                return o["dp"]
+            return world_size // o["tp"] if "tp" in o and world_size % o["tp"] == 0 else 1
+        if self.policy in OPTIONS and self.policy not in ("random", "interlaced"):
+            return o.get("dp", 1)
+        return 1
+
+    def build(self, graph: Graph, world_size: int) -> Plan:
+        """The Plan on ``graph`` for ``world_size`` ranks."""
+        o = dict(self.options)
+        recompute = o.pop("recompute", None)
+        name = self.policy
+        if name in ("dp", "zero1", "zero2", "zero3"):
+            dp = o.pop("dp", world_size)
+            if dp != world_size:
+                raise TorchweaveError(Problem(
+                    obj=f"plan {self.text!r}", value=f"dp={dp}",
+                    rule=f"{name} is data parallel over every rank: dp = world_size ({world_size})",
+                    fix=f"drop dp, or split the rest with another axis (e.g. 'tp:tp={world_size // dp}')"
+                    if dp and world_size % dp == 0 else "drop dp"))
+            zero = o.pop("zero", int(name[-1]) if name.startswith("zero") else 0)
+            plan = dp_policy(graph, world_size, zero=zero)
+        elif name in ("tp", "sp"):
+            tp, dp = o.get("tp"), o.get("dp")
+            if tp is None and dp is not None:
+                tp = world_size // dp if world_size % dp == 0 else 0
+            if tp is not None and (tp < 1 or tp * (dp or world_size // tp) != world_size):
+                raise TorchweaveError(Problem(
+                    obj=f"plan {self.text!r}", value=f"tp={tp}, dp={dp}",
+                    rule=f"the mesh covers the world: tp × dp = world_size ({world_size})",
+                    fix="choose tp and dp whose product is the world size"))
+            plan = (tp_policy if name == "tp" else sp_policy)(graph, world_size, tp_size=tp)
+            if o.get("zero"):
+                plan.zero, plan.zero_axis = o["zero"], "dp"
+                plan.name = f"{plan.name}+zero{o['zero']}"
+        elif name == "random":
+            plan = random_plan(graph, world_size)
+        elif name == "interlaced":
+            plan = interlaced(graph, world_size, micro=o.get("micro"))
+        else:
+            plan = pipeline_policy(graph, world_size, schedule=name, **o)
+        if recompute is not None:
+            with_recompute(plan, graph, recompute)
+            if recompute != "none":
+                plan.notes["recompute"] = recompute
+        if self.options:
+            plan.notes["spec"] = self.text
+        return plan
+
+
+__all__ = ["OPTIONS", "PlanSpec"]
