@@ -142,6 +142,9 @@ def _add_sim_commands(sub) -> None:
     sim.add_argument("--plan", default="dp", help=PLAN_HELP + " (default: dp)")
     sim.add_argument("--world-size", type=int, help="ranks (default: the cluster's size)")
     sim.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    sim.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                     help="micro-batches per optimizer step: the model's example batch is the "
+                          "global batch, cut into K (non-pipelined plans; a pipeline's is its micro)")
     sim.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                      help="compute dtype (bf16: mixed precision; default: the model's)")
     sim.add_argument("--trace", metavar="OUT_JSON", help="write the timeline as Chrome trace JSON")

@@ -186,3 +186,22 @@ def test_out_of_memory_says_whether_the_leanest_plan_fits_and_by_how_much(tmp_pa
     out = " ".join(capsys.readouterr().out.split())
     assert "does not fit 2 x tiny-64KiB even as zero3:recompute=full" in out, out
     assert "GiB over its" in out
+
+
+def test_simulate_accumulates_the_example_batch_in_micro_batches(capsys) -> None:
+    """The example batch (4 for gpt-tiny) is the global batch: --grad-accum 2 simulates two
+    micro-batches of 2, the same tokens in a longer step; 3 does not divide it."""
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp"]) == 0
+    one = capsys.readouterr().out
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp",
+                 "--grad-accum", "2"]) == 0
+    two = capsys.readouterr().out
+    assert "2 micro-batches accumulated per step" in two
+
+    def ms(out: str) -> float:
+        return float(next(x for x in out.splitlines() if "step time" in x).split()[2])
+
+    assert ms(two) > ms(one)
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--grad-accum", "3"]) == 2
+    err = capsys.readouterr()
+    assert "--grad-accum" in err.out + err.err and "4 % 3 != 0" in err.out + err.err

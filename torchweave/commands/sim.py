@@ -44,14 +44,28 @@ class Setup:
     plan: Any
     cluster: Any
     dtype: torch.dtype | None
+    grad_accum: int = 1
+    """Micro-batches per step (the graph is one micro-batch's)."""
 
 
-def _capture(model: str, meta: bool):
+def _capture(model: str, meta: bool, micro_batches: int = 1):
+    """``model``'s graph on its example batch, or on one of ``micro_batches`` pieces of it."""
     import torchweave
     from torchweave.factory import load
 
     loaded = load(model, meta=meta)
-    return torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
+    args = loaded.args
+    if micro_batches != 1:
+        batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), 0)
+        if micro_batches < 1 or batch % micro_batches:
+            raise TorchweaveError(Problem(
+                obj="--grad-accum", value=str(micro_batches),
+                rule=f"the micro-batches divide the example batch (the global batch): "
+                     f"{batch} % {micro_batches} != 0" if micro_batches >= 1 else "at least 1",
+                fix="a K that divides the model's example batch, or an example batch that K divides"))
+        args = tuple(a[: batch // micro_batches] if isinstance(a, torch.Tensor) and a.dim() else a
+                     for a in args)
+    return torchweave.capture(loaded.model, args, loaded.kwargs, name=loaded.name)
 
 
 def _plan_for(spec: str, graph, cluster, world_size: int | None):
@@ -72,7 +86,7 @@ def _sim(setup: Setup, *, programs=None, profiles=None):
     from torchweave.sim.simulate import simulate
 
     return simulate(setup.graph, setup.plan, setup.cluster, dtype=setup.dtype, programs=programs,
-                    profiles=profiles)
+                    profiles=profiles, grad_accum=setup.grad_accum)
 
 
 PROFILE_CACHE = Path.home() / ".cache" / "torchweave" / "op-profiles" / "ops.json"
@@ -119,9 +133,10 @@ def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
     from torchweave.sim.trace import save_gantt_png, to_chrome_trace
 
     cluster = load_cluster(args.cluster)
-    graph = _capture(args.model, args.meta)
+    accum = getattr(args, "grad_accum", 1)
+    graph = _capture(args.model, args.meta, accum)
     plan = _plan_for(args.plan, graph, cluster, args.world_size)
-    setup = Setup(graph, plan, cluster, _dtype(args.dtype))
+    setup = Setup(graph, plan, cluster, _dtype(args.dtype), accum)
     result = _sim(setup, profiles=_profiles(setup, console) if getattr(args, "profile", False) else None)
     console.print(result.summary(), highlight=False, markup=False)
     per = [f"{r}: {m.peak / GiB:.3g}" for r, m in enumerate(result.memory)]
@@ -169,7 +184,8 @@ def _leanest(setup: Setup) -> str:
         note = f" (no full recompute: {str(e).splitlines()[0]})"
     else:
         note = ""
-    r = simulate(setup.graph, lean, setup.cluster, dtype=setup.dtype, timeline=False)
+    r = simulate(setup.graph, lean, setup.cluster, dtype=setup.dtype, timeline=False,
+                 grad_accum=setup.grad_accum)
     peak, cap = max(r.peak_memory), setup.cluster.device.memory_bytes
     if peak > cap:
         return (f"the model does not fit {n} x {setup.cluster.device.name} even as "

@@ -15,14 +15,15 @@ from torchweave.sim.simulate import MemoryUse, SimResult, assemble, simulate
 def simulate_folded(graph: Graph, plan: Plan, cluster: Cluster, blocks: Blocks, *, dtype,
                     tokens_per_step: int | None, model: ComputeModel | None, bucket_bytes: int,
                     strict: bool, timeline: bool, symmetry: bool | None,
-                    profiles=None) -> SimResult:
+                    profiles=None, grad_accum: int = 1) -> SimResult:
     n = len(blocks)
     runs = []
     for k in (3, 4):
         g, p = cut(graph, plan, blocks, k)
         runs.append(simulate(g, p, cluster, dtype=dtype, tokens_per_step=tokens_per_step,
                              model=model, bucket_bytes=bucket_bytes, timeline=timeline and k == 4,
-                             symmetry=symmetry, fold=False, profiles=profiles))
+                             symmetry=symmetry, fold=False, profiles=profiles,
+                             grad_accum=grad_accum))
     two, three = runs  # 3 and 4 blocks
 
     def ex(a: float, b: float) -> float:

@@ -153,7 +153,7 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
              model: ComputeModel | None = None, bucket_bytes: int = 25 * 2**20,
              strict: bool = False, timeline: bool = True,
              symmetry: bool | None = None, fold: bool | None = None,
-             profiles: OpProfiles | None = None) -> SimResult:
+             profiles: OpProfiles | None = None, grad_accum: int = 1) -> SimResult:
     """Simulate one training step of ``plan`` on ``cluster``.
 
     ``dtype`` overrides the floating dtype ops compute in (``torch.bfloat16``
@@ -170,11 +170,21 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     Pipelined plans (``plan.pipeline``) use neither, and are simulated by
     their schedule (:mod:`torchweave.sim.pipelined`). ``profiles``: measured op times
     (:mod:`torchweave.sim.profile`) used in place of the roofline where present.
+    ``grad_accum``: micro-batches per optimizer step, ``graph`` being one
+    micro-batch's (:mod:`torchweave.sim.accum`); tokens and FLOPs are the step's.
+    A pipelined plan takes its micro-batches from the plan instead.
     """
     if plan.world_size > cluster.size:
         raise SimError(Problem(obj=f"plan {plan.name!r} world_size", value=str(plan.world_size),
                                rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
                                fix=f"use a cluster of at least {plan.world_size} devices"))
+    if grad_accum < 1 or (grad_accum > 1 and plan.pipeline is not None):
+        raise SimError(Problem(
+            obj="grad_accum", value=str(grad_accum),
+            rule="at least 1; a pipelined plan runs the micro-batches its plan says" if grad_accum >= 1
+            else "at least 1",
+            fix=f"give the plan its micro-batches (e.g. '{plan.pipeline.kind}:micro={grad_accum}')"
+            if plan.pipeline is not None else "use 1 for no accumulation"))
     if plan.pipeline is not None:  # stages differ by construction: no folding, no replicas
         fold, symmetry = False, False
     if programs is None and fold is not False:
@@ -187,7 +197,7 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
             return simulate_folded(graph, plan, cluster, blocks, dtype=dtype,
                                    tokens_per_step=tokens_per_step, model=model,
                                    bucket_bytes=bucket_bytes, strict=strict, timeline=timeline,
-                                   symmetry=symmetry, profiles=profiles)
+                                   symmetry=symmetry, profiles=profiles, grad_accum=grad_accum)
     rep = None
     if programs is None:
         programs, rep = lower_programs(graph, plan, symmetry)
@@ -201,6 +211,10 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         return _pipelined(graph, plan, cluster, programs, builder, tasks, feet, dtype=dtype,
                           model=model, strict=strict, tokens_per_step=tokens_per_step,
                           timeline=timeline)
+    if grad_accum > 1:
+        from torchweave.sim.accum import accumulate
+
+        tasks = {r: accumulate(ts, grad_accum, zero=plan.zero) for r, ts in tasks.items()}
     serial = frozenset() if cluster.device.comm_overlaps_compute else frozenset(tasks)
     runs, events = run(tasks, record=timeline, serial=serial)
     step = max((r.end for r in runs.values()), default=0.0)
@@ -213,11 +227,13 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     memory = _memory(plan, programs, feet, ranks, dtype)
     notes = (f"{rep.count} data-parallel replicas of {rep.size} ranks: one lowered and simulated",
              ) if rep else ()
+    if grad_accum > 1:
+        notes += (f"{grad_accum} micro-batches accumulated per step",)
     return assemble(
         plan, cluster, step=step, compute=tuple(runs[r].compute_busy for r in ranks),
         comm=tuple(runs[r].comm_busy for r in ranks), memory=tuple(memory),
-        flops=sum(c.model_flops for c in builder.costs.values()),
-        tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
+        flops=grad_accum * sum(c.model_flops for c in builder.costs.values()),
+        tokens=tokens_per_step if tokens_per_step is not None else grad_accum * _tokens(graph),
         dtype=dtype, model=model, strict=strict, events=events, notes=notes, replicas=rep)
 
 
