@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -87,3 +88,35 @@ def test_an_input_passed_on_unchanged_gets_its_gradient_in_i() -> None:
     assert w.grad is None
     split.weights()
     torch.testing.assert_close(w.grad, want[2])
+
+
+def _emb_idx():
+    return torch.tensor([1, 2, 3])
+
+
+_SHARED = {
+    # a position bias added in two layers (t5's relative attention bias; found by the fuzzer)
+    "one bias, two layers": lambda x, w, m: (lambda b: torch.tanh(x + b) + b)(F.embedding(_emb_idx(), w)),
+    # one weight matrix multiplied twice on the input path
+    "one matrix, two matmuls": lambda x, w, m: torch.tanh(x @ m) @ m,
+    "both": lambda x, w, m: (lambda b: torch.tanh(torch.tanh(x @ m + b) @ m) + b)(F.embedding(_emb_idx(), w)),
+}
+
+
+@pytest.mark.parametrize("name", list(_SHARED))
+def test_a_parameter_reached_from_two_points_of_the_input_path_is_counted_once(name) -> None:
+    """W must not follow a frontier node's input edges down to a parameter that another
+    frontier node's W already accounts for."""
+    torch.manual_seed(0)
+    w, m = torch.randn(10, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    torch.autograd.backward([_SHARED[name](x, w, m)], [g])
+    want = [t.grad.clone() if t.grad is not None else torch.zeros_like(t) for t in (x, w, m)]
+    for t in (x, w, m):
+        t.grad = None
+    split = SplitBackward([_SHARED[name](x, w, m)], [g], [x], [w, m])
+    torch.testing.assert_close(x.grad, want[0])
+    assert w.grad is None and m.grad is None
+    split.weights()
+    for t, expect in zip((w, m), want[1:]):
+        torch.testing.assert_close(t.grad if t.grad is not None else torch.zeros_like(t), expect)

@@ -55,9 +55,13 @@ class SplitBackward:
             c is not None and reach_param[c] and not reach_in[c] for c, _ in n.next_functions)]
         # each frontier node's edges to parameters only: W's backward goes down these alone
         leaf_of = {_grad_node(p): p for p in self.params}
-        self.edges = {n: [leaf_of.get(c, GradientEdge(c, nr)) for c, nr in n.next_functions
-                          if c is not None and reach_param[c] and not reach_in[c]]
+        self.is_param_edge = {n: [c is not None and reach_param[c] and not reach_in[c]
+                                  for c, _ in n.next_functions] for n in self.frontier}
+        self.edge_at = {n: [leaf_of.get(c, GradientEdge(c, nr)) if c is not None else None
+                            for c, nr in n.next_functions] for n in self.frontier}
+        self.edges = {n: [e for e, on in zip(self.edge_at[n], self.is_param_edge[n]) if on]
                       for n in self.frontier}
+        self.direct = _shared_targets(self.frontier, reach_in, reach_param)
         # a root that is an input itself (a tensor the stage passes on unchanged): its
         # gradient is the input's, now
         through = [any(r is x for x in inputs) for r in roots]
@@ -93,23 +97,37 @@ class SplitBackward:
         edges (not through its other inputs, which ``I`` covered); then from
         those edges (and roots that reach no input) down to the parameters.
         """
-        outs: list[Any] = []
-        grads: list[torch.Tensor] = []
+        pending: dict[Any, torch.Tensor] = {}  # edge into the parameter-only graph -> gradient
+
+        def route(edge: Any, g: torch.Tensor | None) -> None:
+            if g is None:
+                return
+            if isinstance(edge, torch.Tensor):
+                _accumulate(edge, g)
+            else:
+                key = (edge.node, edge.output_nr)
+                pending[key] = g if key not in pending else pending[key] + g
+
         for node, gs in self.captured.items():
-            seeds = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
             edges = self.edges[node]
-            if not seeds or not edges:
+            if not edges or all(g is None for g in gs):
                 continue
+            if node in self.direct:
+                # its parameter edges are also reached through its input edges: run the
+                # node's own backward and keep only the parameter edges' results
+                found = node(*gs)
+                on = {i for i, (c, _) in enumerate(node.next_functions)
+                      if c is not None and self.is_param_edge[node][i]}
+                for i in sorted(on):
+                    route(self.edge_at[node][i], found[i])
+                continue
+            seeds = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
             found = torch.autograd.grad([e for e, _ in seeds], edges, [g for _, g in seeds],
                                         allow_unused=True, retain_graph=True)
             for edge, g in zip(edges, found):
-                if g is None:
-                    continue
-                if isinstance(edge, torch.Tensor):
-                    _accumulate(edge, g)
-                else:
-                    outs.append(edge)
-                    grads.append(g)
+                route(edge, g)
+        outs: list[Any] = [GradientEdge(n, nr) for n, nr in pending]
+        grads: list[torch.Tensor] = list(pending.values())
         for r, g in self.later:
             outs.append(r)
             grads.append(g)
@@ -120,6 +138,39 @@ class SplitBackward:
         for p, g in zip(self.params, found):
             if g is not None:
                 _accumulate(p, g)
+
+
+def _shared_targets(frontier: list[Any], reach_in: dict[Any, bool], reach_param: dict[Any, bool]
+                    ) -> set[Any]:
+    """Frontier nodes whose parameter-only edges lead to a node that their input edges also
+    reach (a weight read twice on the input path, a position bias added in every layer).
+
+    ``torch.autograd.grad`` from such a node would follow both ways down and count the
+    second path twice (``I``'s captured gradients cover it already), so ``W`` runs the
+    node's own backward for them instead.
+    """
+    targets = {n: {c for c, _ in n.next_functions if c is not None and reach_param[c] and not reach_in[c]}
+               for n in frontier}
+    watch = set().union(*targets.values()) if targets else set()
+    if not watch:
+        return set()
+    below: dict[Any, frozenset] = {}  # node -> watched nodes it reaches (itself included)
+    for start in reach_in:
+        stack = [(start, False)]
+        while stack:
+            n, done = stack.pop()
+            if n in below:
+                continue
+            kids = [c for c, _ in n.next_functions if c is not None and c in reach_in]
+            if not done:
+                stack.append((n, True))
+                stack.extend((c, False) for c in kids if c not in below)
+                continue
+            hit = frozenset({n}) if n in watch else frozenset()
+            below[n] = hit.union(*(below[c] for c in kids))
+    return {n for n in frontier if any(
+        below.get(c, frozenset()) & targets[n]
+        for c, _ in n.next_functions if c is not None and reach_in.get(c, False))}
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
