@@ -49,3 +49,18 @@ def assert_grads_match_model(module, model: torch.nn.Module, inputs, loss: float
     assert abs(loss - float(want.detach())) < 1e-5
     for name, p in model.named_parameters():
         torch.testing.assert_close(module.params[name].grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def saved_bytes(module, inputs) -> int:
+    """Bytes of activations that forward keeps for backward (parameters not counted)."""
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in module.params.values()}
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module.forward(*inputs)
+    return sum(seen.values())

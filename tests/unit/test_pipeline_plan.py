@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_grads_match_model, built, captured, state_of
+from tests.conftest import assert_grads_match_model, built, captured, saved_bytes, state_of
 from torchweave.codegen.render import render, write
 from torchweave.errors import TorchweaveError
 from torchweave.lower.lower import lower
@@ -139,21 +139,6 @@ def test_segments_pass_values_between_stages_on_one_rank() -> None:
     assert f"{to_self.key} = b['{to_self.key}']" in src
 
 
-def _saved_bytes(module: RankModule, inputs) -> int:
-    """Bytes of activations that forward keeps for backward (parameters not counted)."""
-    seen: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in module.params.values()}
-
-    def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module.forward(*inputs)
-    return sum(seen.values())
-
-
 def test_recompute_groups_keep_less_and_compute_the_same(tmp_path) -> None:
     model, inputs = built("gpt-tiny")[:2]
     graph = captured("gpt-tiny")
@@ -164,7 +149,7 @@ def test_recompute_groups_keep_less_and_compute_the_same(tmp_path) -> None:
         plan = with_recompute(resolve("dp", graph, 1), graph, groups)
         (path,) = write(lower(graph, plan), str(tmp_path / str(k)))
         module = RankModule(lower(graph, plan)[0], path, state, gc)
-        saved = _saved_bytes(module, inputs)
+        saved = saved_bytes(module, inputs)
         loss = module.backward_step(*inputs)
         results.append((saved, loss, {p: t.grad.clone() for p, t in module.params.items()
                                       if t.grad is not None}))

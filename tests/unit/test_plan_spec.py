@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import built, captured, state_of
+from tests.conftest import built, captured, saved_bytes, state_of
 from torchweave.codegen.render import write
 from torchweave.errors import TorchweaveError
 from torchweave.lower.lower import lower
@@ -118,7 +118,7 @@ def test_recompute_keeps_less_and_computes_the_same(tmp_path, mode) -> None:
         plan = resolve(spec, graph, 1)
         (path,) = write(lower(graph, plan), str(tmp_path / spec.replace(":", "_").replace("=", "_")))
         module = RankModule(lower(graph, plan)[0], path, state, gc)
-        saved = _saved(module, inputs)
+        saved = saved_bytes(module, inputs)
         loss = module.backward_step(*inputs)
         out.append((saved, loss, {p: t.grad.clone() for p, t in module.params.items() if t.grad is not None}))
     (s0, l0, g0), (s1, l1, g1) = out
@@ -140,17 +140,3 @@ def test_the_simulator_sees_what_each_recompute_keeps() -> None:
     assert acts["full"] < acts["selective"] < acts["none"], acts
     steps = {m: r.step_time for m, r in res.items()}
     assert steps["none"] < steps["selective"] < steps["full"], steps  # each pays its forward again
-
-
-def _saved(module: RankModule, inputs) -> int:
-    seen: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in module.params.values()}
-
-    def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module.forward(*inputs)
-    return sum(seen.values())
