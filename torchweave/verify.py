@@ -174,7 +174,9 @@ def _rank_run(ctx: RankContext, jobs: list[tuple]) -> list[dict[str, Any]]:
         try:
             out.append(_rank_job(ctx, compiled, inputs, steps, optimizer, config))
         except Exception as exc:  # noqa: BLE001 - reported per job; other jobs go on
-            if "Timed out" in str(exc) or "Connection" in str(exc):
+            if ctx.world_size > 1:
+                # the other ranks may be waiting on this one: stop them all, reporting this
+                # rank's error rather than a peer's time-out
                 raise
             frames = [f for f in traceback.extract_tb(exc.__traceback__) if "rank" in f.filename]
             where = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
@@ -245,8 +247,11 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
                 launch: LaunchConfig | None = None, code_dir: str | None = None) -> list[Report]:
     """Verify several cases in one launch of ``world_size`` processes.
 
-    Every plan is compiled and checked before anything starts. A case that
-    raises on a rank is reported as failed; the others still run.
+    Every plan is compiled and checked before anything starts. On one rank, a case
+    that raises is reported as failed and the others still run; on several, a raising
+    rank stops the launch with its own error
+    (:class:`~torchweave.runtime.launch.RankFailedError`), since its peers may be
+    waiting on it.
     """
     compiled, graphs = [], {}  # one capture per model and shape, shared by its plans
     for i, c in enumerate(cases):
@@ -265,8 +270,9 @@ def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchC
     The ranks run ``compiled``'s Programs as they are: a test may edit one (drop a
     gradient all-reduce, say) to check that the comparison catches it.
 
-    A case that raises on a rank is reported as failed; a rank that dies or
-    times out fails the whole launch (:class:`~torchweave.runtime.launch.RankFailedError`).
+    A case that raises, on a launch of several ranks, and a rank that dies or times
+    out fail the whole launch (:class:`~torchweave.runtime.launch.RankFailedError`,
+    naming the rank that failed first); on one rank a raising case is reported as failed.
     """
     jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config) for comp, c in zip(compiled, cases)]
     results = spawn(_rank_run, launch, jobs)

@@ -77,3 +77,26 @@ def test_a_failing_rank_stops_every_rank_with_its_error() -> None:
     assert info.value.rank == 1
     assert "boom on rank 1" in str(info.value)
     assert time.monotonic() - start < 60
+
+
+def _sgd_but_not_on_rank_1(params):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("no optimizer on rank 1")
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.dist
+def test_verify_reports_the_rank_that_raised_not_a_peers_time_out() -> None:
+    """A case raising on one rank leaves its peers waiting on it: verify stops the launch with
+    that rank's error (it used to be kept as a per-case error while rank 0 timed out, and the
+    time-out was what the report showed)."""
+    model, inputs = built("gpt-tiny")[:2]
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        verify_many([Case(model, inputs, "dp", optimizer=_sgd_but_not_on_rank_1)], world_size=2,
+                    launch=LaunchConfig(world_size=2, timeout_s=20.0))
+    assert info.value.rank == 1, str(info.value)
+    assert "no optimizer on rank 1" in str(info.value)
+    assert time.monotonic() - start < 20, "stopped at once, not after a peer's time-out"

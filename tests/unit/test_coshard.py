@@ -113,3 +113,25 @@ def test_bad_coshard_is_rejected_before_launch() -> None:
     plan = resolve("dp", graph, 2)
     with pytest.raises(TorchweaveError, match="runs whole on one device"):
         with_coshard(plan, graph, ["linear_4_nobias"], 2, "n")
+
+
+def test_a_coshard_that_reads_a_tied_weight_sums_its_gradient_as_the_plain_plan_does() -> None:
+    """gpt-tiny's wte weight is read by the embedding (stage 0) and by lm_head (stage 1).
+    Co-sharding lm_head must not hide that second reader from the parameter's planning: the
+    gradient sum then waited for the bucketed sync that the other stage never joins, and
+    every pipeline schedule hung (fuzzer seed 2204)."""
+    from torchweave.lower.lower import Lowering
+    from torchweave.plan.validate import validate
+    from torchweave.policies.pipeline import pipeline
+
+    graph = captured("gpt-tiny")
+    defer = {}
+    for coshard in (False, True):
+        plan = pipeline(graph, 2, schedule="gpipe", pp=2, micro=1)
+        if coshard:
+            with_coshard(plan, graph, ["linear_12"], 2, "n")
+        validate(plan, graph)
+        low = Lowering(graph, plan)
+        low.run()
+        defer[coshard] = low.defer["p_wte_weight"]
+    assert defer[True] == defer[False] is False

@@ -99,6 +99,9 @@ _SHARED = {
     "one bias, two layers": lambda x, w, m: (lambda b: torch.tanh(x + b) + b)(F.embedding(_emb_idx(), w)),
     # one weight matrix multiplied twice on the input path
     "one matrix, two matmuls": lambda x, w, m: torch.tanh(x @ m) @ m,
+    # the bias broadcast over the batch, as t5's [1, heads, q, k] bias is over [b, heads, q, k]
+    "one broadcast bias, two layers": lambda x, w, m: (lambda b: torch.tanh(x + b) + b)(
+        F.embedding(_emb_idx()[:1], w)),
     "both": lambda x, w, m: (lambda b: torch.tanh(torch.tanh(x @ m + b) @ m) + b)(F.embedding(_emb_idx(), w)),
 }
 

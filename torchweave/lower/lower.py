@@ -78,17 +78,24 @@ class Lowering:
                 self.local[(name, d)] = name
                 self.programs[d].inputs.append(InputSlot(name, i, self.graph.values[name].target))
 
-    def _input_needs(self, node: Node):
-        """(ref, spec, needs) for each tensor input, and the node's pieces by device."""
+    def _input_needs(self, node: Node, coshard: bool = False):
+        """(ref, spec, needs) for each tensor input, and the node's pieces by device.
+
+        For a co-sharded node, a device's need is the union of what its chunks read:
+        the region provides that once (see lower/coshard.py)."""
         bound = info(self.graph, node).bound
         by_device: dict[int, list[PieceInfo]] = {}
         for p in node_pieces(self.plan, node.name):
             by_device.setdefault(p.device, []).append(p)
         out = []
         for ref, tspec in zip(node.input_refs(), bound.annotation.inputs):
-            meta = self.graph.values[ref.name].meta
-            needs = {d: Need(tensor_box(bound, tspec, meta.shape, ps[0]), ps[0].piece_id)
-                     for d, ps in by_device.items()}
+            shape = self.graph.values[ref.name].meta.shape
+            needs = {}
+            for d, ps in by_device.items():
+                box = tensor_box(bound, tspec, shape, ps[0])
+                for p in ps[1:] if coshard else ():
+                    box = _hull(box, tensor_box(bound, tspec, shape, p))
+                needs[d] = Need(box, ("coshard", node.name) if coshard else ps[0].piece_id)
             out.append((ref, tspec, needs))
         return out, by_device
 
@@ -100,9 +107,9 @@ class Lowering:
         full contributions never mix in one local gradient."""
         readers: dict[str, list[dict[int, Need]]] = {}
         for node in self.graph.nodes:
-            if len({p.device for p in node_pieces(self.plan, node.name)}) < self.plan.num_pieces(node.name):
-                continue  # co-shard: its pieces read parameters through _provide
-            for ref, tspec, needs in self._input_needs(node)[0]:
+            coshard = len({p.device for p in node_pieces(self.plan, node.name)}) < \
+                self.plan.num_pieces(node.name)
+            for ref, tspec, needs in self._input_needs(node, coshard)[0]:
                 if self.graph.values[ref.name].kind in ("param", "buffer") and not tspec.meta_only:
                     readers.setdefault(ref.name, []).append(needs)
         self.defer: dict[str, bool] = {}

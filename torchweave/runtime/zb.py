@@ -116,10 +116,9 @@ class SplitBackward:
                 # its parameter edges are also reached through its input edges: run the
                 # node's own backward and keep only the parameter edges' results
                 found = node(*gs)
-                on = {i for i, (c, _) in enumerate(node.next_functions)
-                      if c is not None and self.is_param_edge[node][i]}
-                for i in sorted(on):
-                    route(self.edge_at[node][i], found[i])
+                for i, (c, nr) in enumerate(node.next_functions):
+                    if c is not None and self.is_param_edge[node][i] and found[i] is not None:
+                        route(self.edge_at[node][i], _as_input_of(c, nr, found[i]))
                 continue
             seeds = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
             found = torch.autograd.grad([e for e, _ in seeds], edges, [g for _, g in seeds],
@@ -171,6 +170,16 @@ def _shared_targets(frontier: list[Any], reach_in: dict[Any, bool], reach_param:
     return {n for n in frontier if any(
         below.get(c, frozenset()) & targets[n]
         for c, _ in n.next_functions if c is not None and reach_in.get(c, False))}
+
+
+def _as_input_of(node: Any, nr: int, g: torch.Tensor) -> torch.Tensor:
+    """``g`` as the engine would hand it to ``node``'s input ``nr``: a node called directly
+    skips the engine's own step that sums a broadcast gradient down to the shape its input
+    had (a [1, h, q, k] position bias added to [b, h, q, k] scores) and casts its dtype."""
+    meta = node._input_metadata[nr]
+    if tuple(g.shape) != tuple(meta.shape):
+        g = g.sum_to_size(meta.shape)
+    return g if g.dtype == meta.dtype else g.to(meta.dtype)
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
