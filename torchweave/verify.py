@@ -129,10 +129,7 @@ class Report:
 
     def __str__(self) -> str:
         mark = "OK" if self.ok else ("FAILED: " + self.error if self.error else "MISMATCH")
-        lines = [f"verify {self.plan!r} on {self.world_size} ranks, {self.steps} steps: {mark} "
-                 f"(tolerance {self.tolerance:g} relative)",
-                 f"  {'what':44s} {'max rel diff':>12s}",
-                 f"  {'loss (' + str(len(self.losses)) + ' steps)':44s} {self.loss_diff:12.3g}"]
+        rows = []  # (what, diff, flag): names are never cut, the column fits the longest
         for what, title, diffs in (("grad", "grad", self.grads),
                                    ("param", "param after steps", self.params)):
             worst = sorted(diffs.items(), key=lambda kv: -kv[1] / self.allowed(what, kv[0]))[:5]
@@ -141,7 +138,14 @@ class Report:
                 flag = "" if d <= limit else "  <-- over"
                 if limit > self.tolerance:
                     flag += f"  (bf16 allows {limit:.3g})"
-                lines.append(f"  {title + ' ' + path:44.44s} {d:12.3g}{flag}")
+                rows.append((f"{title} {path}", d, flag))
+        loss = f"loss ({len(self.losses)} steps)"
+        width = max([44, len(loss)] + [len(r[0]) for r in rows])
+        lines = [f"verify {self.plan!r} on {self.world_size} ranks, {self.steps} steps: {mark} "
+                 f"(tolerance {self.tolerance:g} relative)",
+                 f"  {'what':{width}s} {'max rel diff':>12s}",
+                 f"  {loss:{width}s} {self.loss_diff:12.3g}"]
+        lines += [f"  {name:{width}s} {d:12.3g}{flag}" for name, d, flag in rows]
         if self.loose:
             lines.append(f"  {len(self.loose)} tensors judged loosely, bf16 alone moving them "
                          f"over {self.tolerance:g} on one device (see their 'bf16 allows')")

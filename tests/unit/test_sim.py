@@ -15,6 +15,9 @@ from torchweave.sim import (
     collective_time, dtype_of, dump_cluster_yaml, load_cluster_yaml, lookup, model_state_memory,
     op_time, parse_cluster,
 )
+from torchweave.policies import resolve
+from torchweave.sim.cluster import cluster_from_dict, cluster_to_dict
+from torchweave.sim.simulate import simulate
 
 REQUIRED = ["V100-32GB-SXM2", "A100-40GB-SXM", "A100-80GB-SXM", "A100-80GB-PCIe", "H100-80GB-SXM",
             "H200-141GB-SXM", "RTX3090", "RTX3090-NVLink", "RTX4090", "MI250", "CPU-2core"]
@@ -194,6 +197,25 @@ def test_cpu_all_reduce_matches_platform_measurement() -> None:
     assert t == pytest.approx(4e-3, rel=0.1)
 
 
+def test_ranks_sharing_a_nodes_cores_each_run_at_their_share() -> None:
+    """4 gloo ranks on a 2-core node run at half a core each: compute, memory and the
+    loopback link between them (``torchweave demo`` runs 4 ranks on this 2-core machine)."""
+    own, shared = parse_cluster("2xCPU-2core"), parse_cluster("4xCPU-2core@4")
+    assert own.device.peak.fp32 == shared.device.peak.fp32 * 2
+    assert own.device.memory_bandwidth == shared.device.memory_bandwidth * 2
+    assert own.intra.bandwidth == pytest.approx(shared.intra.bandwidth * 2)
+    assert parse_cluster("4xCPU-2core").device.peak.fp32 == own.device.peak.fp32  # 2 nodes of 2
+    assert "4 ranks share the node's 2 cores" in shared.device.description
+    again = cluster_from_dict(cluster_to_dict(shared))  # a dumped cluster is not shared twice
+    assert again.device.peak.fp32 == shared.device.peak.fp32
+    graph = captured("gpt-tiny")
+    plan = resolve("dp", graph, 4)
+    four_cores = cluster_of(dataclasses.replace(lookup("CPU-2core"), cores=4), 4, 4)
+    slow, fast = (simulate(graph, plan, c).step_time for c in (shared, four_cores))
+    assert slow > 1.5 * fast
+    assert parse_cluster("8xA100-80GB-SXM").device == lookup("A100-80GB-SXM")  # GPUs: no sharing
+
+
 def test_collective_errors() -> None:
     c = parse_cluster("8xA100-80GB-SXM")
     with pytest.raises(SimError, match=r"ranks \[8\]"):
@@ -279,3 +301,18 @@ def test_roofline_errors() -> None:
 def test_lookup_and_cluster_of() -> None:
     assert lookup("rtx4090") is CATALOG["RTX4090"]
     assert cluster_of(CATALOG["CPU-2core"], 2).nodes == 1
+
+
+def test_plan_auto_on_a_cpu_counts_this_machines_cores(monkeypatch) -> None:
+    """``plan: auto`` on a CPU: 4 ranks on 2 cores are predicted about twice as slow as
+    4 ranks on 4 cores (the demo's 28.3 ms prediction against 116.8 ms measured)."""
+    import os
+
+    from torchweave.train.auto import choose_plan
+
+    graph = captured("gpt-tiny")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    shared = choose_plan(graph, 4)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    own = choose_plan(graph, 4)
+    assert shared.predicted_s[shared.plan] > 1.5 * own.predicted_s[own.plan]

@@ -45,3 +45,16 @@ def test_a_bf16_tensor_is_judged_against_its_own_spread() -> None:
     r.bf16_grads.clear()
     r.grads["norm.bias"] = 0.05
     assert r.ok and "judged loosely" not in str(r)
+
+
+def test_the_report_names_every_tensor_in_full() -> None:
+    from torchweave.verify import Report
+
+    long = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    r = Report("p", 2, 2, 1e-5, losses=[(1.0, 1.0)], grads={long: 0.5, "w": 0.0}, params={long: 0.0})
+    text = str(r)
+    assert f"grad {long}" in text and f"param after steps {long}" in text
+    header = next(line for line in text.splitlines() if "max rel diff" in line)
+    row = next(line for line in text.splitlines() if line.startswith(f"  grad {long}"))
+    assert row.index("0.5") + len("0.5") == header.index("max rel diff") + len("max rel diff")
+    assert "<-- over" in row

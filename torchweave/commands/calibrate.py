@@ -133,6 +133,7 @@ def calibrate_cmd(args: argparse.Namespace, console: Console) -> int:
         peak=Peak(fp32=flops), memory_bytes=mem // ranks, memory_bandwidth=bandwidth,
         intra=Link(bandwidth=beta, latency=alpha, kind="gloo over loopback (measured)"),
         node_size=ranks, rates="measured", comm_overlaps_compute=False,
+        cores=None,  # the rates above are a rank's share already
         sources=(f"measured on {platform.node() or 'this machine'}, "
                  f"{datetime.date.today().isoformat()}: per rank fp32 matmul median "
                  f"{flops / 1e9:.3g} GFLOP/s, {bandwidth / 1e9:.3g} GB/s copy, gloo all_reduce/all_gather at {', '.join(str(s) for s in sizes)} bytes "

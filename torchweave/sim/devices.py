@@ -109,6 +109,12 @@ class Device:
     NCCL's own SMs). ``False`` where they take the same core as compute (gloo on
     a CPU rank with one thread): the simulator then runs a rank's communication
     on its compute stream too, one after the other."""
+    cores: int | None = None
+    """A CPU device: the cores of its node, where each rank is given one. A node
+    running more ranks than that shares them: :class:`~torchweave.sim.cluster.Cluster`
+    then gives each rank ``cores / ranks`` of the peak, the memory bandwidth and the
+    bandwidth between ranks of the node (gloo's copies and sums run on those cores
+    too). ``None``: a device of its own per rank (a GPU)."""
 
     def __post_init__(self) -> None:
         where = f"device {self.name}"
@@ -239,7 +245,7 @@ _ENTRIES = (
         intra=Link(bandwidth=1.07 * GB, latency=50e-6,
                    kind="gloo over loopback (4 MiB all-reduce ~ 4 ms at 2 ranks)"),
         inter=Link(bandwidth=1.25 * GB / 2, latency=100e-6, kind="10 Gb/s Ethernet (estimate)"),
-        node_size=2, price_per_hour=0.04, rates="measured", comm_overlaps_compute=False,
+        node_size=2, price_per_hour=0.04, rates="measured", comm_overlaps_compute=False, cores=2,
         sources=("PLATFORM.md, 'Speed and memory on these 2 cores': GPT step at ~170 GFLOP/s "
                  "on 2 threads, split over 2 ranks (measured 2026-12-01)",
                  "PLATFORM.md, 'torch.distributed on gloo': 4 MiB all-reduce ~ 4 ms at 2 ranks"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,8 @@ class Choice:
 def choose_plan(graph: Graph, world_size: int, *, device: str | None = None) -> Choice:
     """Simulate every candidate on ``world_size`` ranks of ``device`` (this machine by default)."""
     dev = lookup(device or ("H100-80GB-SXM" if torch.cuda.is_available() else "CPU-2core"))
+    if device is None and dev.cores is not None:
+        dev = dataclasses.replace(dev, cores=os.cpu_count() or dev.cores)  # this machine's cores
     cluster = cluster_of(dev, world_size, world_size)
     times: dict[str, float] = {}
     oom: list[str] = []
