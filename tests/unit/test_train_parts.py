@@ -90,3 +90,26 @@ def test_the_demo_config_is_valid_and_command_line_overrides_reach_it(capsys) ->
     assert "global_batch(5) != micro_batch(4) * grad_accum(1) * dp(4)" in out
     with pytest.raises(SystemExit):
         main(["inspect", "gpt-tiny", "--optim.lr=1"])  # overrides belong to train and demo
+
+
+def test_the_summary_prints_the_prediction_beside_the_measured_step() -> None:
+    import io
+
+    from rich.console import Console
+
+    from torchweave.commands.train import summary
+    from torchweave.train.auto import Choice
+    from torchweave.train.config import load_config
+    from torchweave.train.loop import RunResult
+
+    cfg = load_config(None, [], base=DEMO)
+    result = RunResult(run_dir="r", plan="zero2", plan_reason="auto", start_step=0, steps=3,
+                       losses={1: 2.0, 2: 1.5, 3: 1.0}, step_time_s=0.080)
+    choice = Choice("zero2", {"zero2": 0.056, "dp": 0.059}, "fastest", "4xCPU-2core@4")
+    out = io.StringIO()
+    summary(result, cfg, Console(file=out, width=300), 1.0, choice)
+    assert "56.0 ms a step on 4xCPU-2core@4" in out.getvalue()
+    assert "measured 80.0 ms: 0.70 x the measured" in out.getvalue()
+    out = io.StringIO()
+    summary(result, cfg, Console(file=out, width=300), 1.0)  # a plan the config names
+    assert "predicted" not in out.getvalue()

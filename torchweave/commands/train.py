@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchweave.runtime.launch import LaunchConfig, RankContext, init_from_env, spawn
+from torchweave.train.auto import Choice
 from torchweave.train.config import TrainConfig, load_config
 from torchweave.train.loop import RunResult, Trainer
 
@@ -32,8 +33,9 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str]:
-    """The plan to run (``auto`` resolved by the simulator), and why; prints the plan table."""
+def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice | None]:
+    """The plan to run (``auto`` resolved by the simulator), why, and the simulator's choice
+    (``None`` for a plan the config names); prints the plan table."""
     import torch
 
     from torchweave.api import capture
@@ -50,7 +52,7 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str]:
     batch = Sampler(dataset, cfg.parallel.global_batch, cfg.seed).next_batch()
     k = cfg.parallel.grad_accum
     graph = capture(model, tuple(x.chunk(k)[0] for x in batch))
-    plan, reason = cfg.parallel.plan, ""
+    plan, reason, choice = cfg.parallel.plan, "", None
     if plan == "auto":
         choice = choose_plan(graph, cfg.parallel.world_size)
         plan, reason = choice.plan, f"auto: {choice.reason}"
@@ -67,7 +69,7 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str]:
         if len(graph.nodes) > 12:
             console.print(f"... {len(graph.nodes) - 12} more ops; "
                           f"`torchweave plan` shows all of them")
-    return plan, reason
+    return plan, reason, choice
 
 
 def _rank_main(ctx: RankContext, cfg: TrainConfig, plan: str, reason: str) -> RunResult:
@@ -75,7 +77,8 @@ def _rank_main(ctx: RankContext, cfg: TrainConfig, plan: str, reason: str) -> Ru
     return trainer.run()
 
 
-def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float) -> None:
+def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float,
+            choice: Choice | None = None) -> None:
     losses = [v for _, v in sorted(result.losses.items())]
     table = Table(title="torchweave train: summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -93,6 +96,11 @@ def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float
     table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s "
                                 f"(median step {result.step_time_s * 1e3:.1f} ms); "
                                 f"wall time {took_s:.1f} s")
+    if choice is not None and result.plan in choice.predicted_s and result.step_time_s > 0:
+        predicted = choice.predicted_s[result.plan]
+        table.add_row("predicted", f"{predicted * 1e3:.1f} ms a step on {choice.cluster} (the "
+                                   f"simulator, before launch), measured {result.step_time_s * 1e3:.1f}"
+                                   f" ms: {predicted / result.step_time_s:.2f} x the measured")
     table.add_row("memory per rank", ", ".join(
         f"r{r}: {rss:.0f} MiB RSS / {st:.1f} MiB state"
         for r, (rss, st) in enumerate(zip(result.peak_rss_mib, result.state_mib))))
@@ -113,17 +121,17 @@ def run(cfg: TrainConfig, console: Console, *, timeout_s: float = 300.0) -> RunR
         launch = LaunchConfig(world_size=cfg.parallel.world_size, timeout_s=timeout_s,
                               threads_per_rank=cfg.threads_per_rank)
         ctx = init_from_env(launch)
-        plan, reason = choose(cfg, console if ctx.rank == 0 else None)
+        plan, reason, choice = choose(cfg, console if ctx.rank == 0 else None)
         result = _rank_main(ctx, cfg, plan, reason)
         ctx.close()
         if ctx.rank != 0:
             return None
     else:
-        plan, reason = choose(cfg, console)
+        plan, reason, choice = choose(cfg, console)
         launch = LaunchConfig(world_size=cfg.parallel.world_size, timeout_s=timeout_s,
                               threads_per_rank=cfg.threads_per_rank)
         result = spawn(_rank_main, launch, cfg, plan, reason)[0]
-    summary(result, cfg, console, time.perf_counter() - t0)
+    summary(result, cfg, console, time.perf_counter() - t0, choice)
     return result
 
 

@@ -26,6 +26,8 @@ class Choice:
     predicted_s: dict[str, float]
     """Predicted step time of every candidate that fits, in seconds."""
     reason: str
+    cluster: str = ""
+    """The cluster the candidates were simulated on (``4xCPU-2core@4``)."""
 
 
 def choose_plan(graph: Graph, world_size: int, *, device: str | None = None) -> Choice:
@@ -44,13 +46,13 @@ def choose_plan(graph: Graph, world_size: int, *, device: str | None = None) -> 
             times[name] = result.step_time
     if not times:
         return Choice("zero3", {}, f"every candidate is predicted out of memory on {cluster}; "
-                                   "zero3 shards the most")
+                                   "zero3 shards the most", str(cluster))
     best = min(times, key=times.__getitem__)
     ranked = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(times.items(), key=lambda kv: kv[1]))
     why = f"fastest predicted on {cluster}: {ranked}"
     if oom:
         why += f" (out of memory: {', '.join(oom)})"
-    return Choice(best, times, why)
+    return Choice(best, times, why, str(cluster))
 
 
 def auto_plan(model: torch.nn.Module, example: tuple[torch.Tensor, ...], world_size: int) -> Choice:
