@@ -53,8 +53,10 @@ def test_options_that_do_not_fit_the_world_name_both_sizes() -> None:
     graph = captured("gpt-tiny")
     with pytest.raises(TorchweaveError, match=r"dp = world_size \(4\)"):
         resolve("dp:dp=2", graph, 4)
-    with pytest.raises(TorchweaveError, match=r"tp × dp = world_size \(4\)"):
+    with pytest.raises(TorchweaveError, match=r"tp × dp = world_size \(4\)(.|\n)*run on 8 ranks"):
         resolve("tp:tp=2,dp=4", graph, 4)
+    with pytest.raises(TorchweaveError, match=r"= 4 != world_size\(2\)(.|\n)*run on 4 ranks"):
+        resolve("1f1b:tp=2,pp=2", graph, 2)
     with pytest.raises(TorchweaveError) as info:  # not a mode, not a module of the model
         resolve("1f1b:recompute=everything", graph, 2)
     for w in ("none, full, selective", "no module 'everything'", "attn", "mlp"):

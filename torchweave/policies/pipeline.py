@@ -66,7 +66,9 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
             obj=f"{schedule} plan", value=f"pp={pp}, dp={dp}, tp={tp}",
             rule=f"the mesh covers the world: pp({pp}) * dp({dp}) * tp({tp}) = {pp * inner} "
                  f"!= world_size({world_size})",
-            fix=f"choose pp, dp and tp whose product is {world_size}"))
+            fix=f"choose pp, dp and tp whose product is {world_size}"
+                + (f", or run on {pp * inner} ranks (a cluster of {pp * inner} devices)"
+                   if pp >= 1 and pp * inner > world_size else "")))
     virtual = virtual or (2 if schedule == "interleaved" else 1)
     if virtual > 1 and schedule != "interleaved":
         raise TorchweaveError(Problem(obj=f"{schedule} plan", value=f"virtual={virtual}",

@@ -151,7 +151,9 @@ class PlanSpec:
                 raise TorchweaveError(Problem(
                     obj=f"plan {self.text!r}", value=f"tp={tp}, dp={dp}",
                     rule=f"the mesh covers the world: tp × dp = world_size ({world_size})",
-                    fix="choose tp and dp whose product is the world size"))
+                    fix=f"choose tp and dp whose product is {world_size}"
+                        + (f", or run on {tp * dp} ranks (a cluster of {tp * dp} devices)"
+                           if tp and dp and tp * dp > world_size else "")))
             plan = (tp_policy if name == "tp" else sp_policy)(graph, world_size, tp_size=tp)
             if o.get("zero"):
                 plan.zero, plan.zero_axis = o["zero"], "dp"
