@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from torchweave.ir.graph import Graph
 from torchweave.ops import OpInfo, info
@@ -79,11 +81,11 @@ def render(summary: Summary, console: Console, *, ops: bool = True) -> None:
                           ("GFLOPs", "right"), ("MB", "right")):
             table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
         for r in summary.rows:
-            table.add_row(r.op, r.source, r.shapes, r.annotation, r.splittable,
-                          f"{r.gflops:.4g}", f"{r.mbytes:.3g}")
+            table.add_row(*map(Text, (r.op, r.source, r.shapes, r.annotation, r.splittable,
+                                      f"{r.gflops:.4g}", f"{r.mbytes:.3g}")))
         console.print(table)
     console.print(f"parameters:          {summary.params:,} ({summary.param_bytes / 2**20:,.1f} MiB)")
     console.print(f"forward FLOPs:       {summary.forward_flops:.4g}")
     console.print(f"FLOPs per train step: {summary.train_flops:.4g} (forward + backward)")
     if summary.unannotated:
-        console.print(f"[yellow]replicate-only (no annotation): {', '.join(summary.unannotated)}")
+        console.print(f"[yellow]replicate-only (no annotation): {escape(', '.join(summary.unannotated))}")

@@ -113,3 +113,35 @@ def test_the_summary_prints_the_prediction_beside_the_measured_step() -> None:
     out = io.StringIO()
     summary(result, cfg, Console(file=out, width=300), 1.0)  # a plan the config names
     assert "predicted" not in out.getvalue()
+
+
+def test_user_strings_print_as_text_never_as_markup() -> None:
+    """Error text and paths with square brackets (``[/tmp/x]``, ``x[0]``) once crashed rich's
+    markup parser, so the user never saw the error."""
+    import copy
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from tests.conftest import captured
+    from torchweave.commands.train import summary
+    from torchweave.plan.show import plan_table
+    from torchweave.policies import resolve
+    from torchweave.train.config import load_config
+    from torchweave.train.loop import RunResult
+
+    hostile = "a [/tmp/x] and [bold]not bold[/bold] x[0]"
+    cfg = load_config(None, [], base=DEMO)
+    result = RunResult(run_dir=hostile, plan="dp", plan_reason=hostile, start_step=0, steps=1,
+                       code_dir=hostile, metrics=hostile)
+    out = io.StringIO()
+    summary(result, cfg, Console(file=out, width=400), 1.0)
+    assert hostile in out.getvalue()
+    graph = copy.copy(captured("gpt-tiny"))  # the cached capture stays as it was
+    graph.nodes = [dataclasses.replace(graph.nodes[0], source=hostile), *graph.nodes[1:]]
+    plan = resolve("dp", graph, 2)
+    plan.name = "dp"
+    out = io.StringIO()
+    Console(file=out, width=400).print(plan_table(plan, graph, limit=3))
+    assert hostile in out.getvalue()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from torchweave.errors import Problem, TorchweaveError
 
@@ -351,8 +352,9 @@ def _op_table(ex: Explained, console: Console, limit: int | None) -> None:
     rows = ex.rows if limit is None else ex.rows[:limit]
     for row in rows:
         comm = "; ".join(row.comm) + (f" ({_ms(row.comm_time)})" if row.comm else "")
-        t.add_row(row.node, row.op, *((str(row.stage),) if staged else ()), row.partition,
-                  row.devices, comm or "-", _ms(row.time), _mib(row.memory))
+        t.add_row(*map(Text, (row.node, row.op, *((str(row.stage),) if staged else ()),
+                              row.partition, row.devices, comm or "-", _ms(row.time),
+                              _mib(row.memory))))
     console.print(t)
     if limit is not None and len(ex.rows) > limit:
         console.print(f"... {len(ex.rows) - limit} more ops (--all shows every op)")
@@ -394,7 +396,7 @@ def _compare(a: Explained, b: Explained, console: Console, k: int) -> None:
             ("peak memory", max(ra.peak_memory), max(rb.peak_memory), lambda n: f"{n / GiB:.3g} GiB"),
             ("MFU", ra.mfu, rb.mfu, lambda f: f"{f:.1%}")):
         rel = f"{(y - x) / x:+.0%}" if x else "-"
-        t.add_row(what, fmt(x), fmt(y), rel)
+        t.add_row(*map(Text, (what, fmt(x), fmt(y), rel)))
     console.print(t)
     verdict = "faster" if ra.step_time < rb.step_time else "slower"
     ratio = ra.step_time / rb.step_time if rb.step_time else float("inf")

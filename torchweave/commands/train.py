@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import time
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from torchweave.runtime.launch import LaunchConfig, RankContext, init_from_env, spawn
 from torchweave.train.auto import Choice
@@ -58,13 +60,13 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
         plan, reason = choice.plan, f"auto: {choice.reason}"
     if console is not None:
         n = sum(p.numel() for p in model.parameters())
-        console.print(f"[bold]model[/] {cfg.model.factory} {cfg.model.kwargs or ''}: "
+        console.print(f"[bold]model[/] {escape(str(cfg.model.factory))} {escape(str(cfg.model.kwargs or ''))}: "
                       f"{n / 1e6:.2f}M parameters, {len(graph.nodes)} ops; "
-                      f"[bold]data[/] {cfg.data.kind}, {len(dataset)} samples of "
+                      f"[bold]data[/] {escape(str(cfg.data.kind))}, {len(dataset)} samples of "
                       f"{cfg.data.seq_len} tokens")
         resolved = resolve(plan, graph, cfg.parallel.world_size)
-        console.print(f"[bold]plan[/] {plan} on {cfg.parallel.world_size} ranks"
-                      + (f"  ({reason})" if reason else ""))
+        console.print(f"[bold]plan[/] {escape(plan)} on {cfg.parallel.world_size} ranks"
+                      + (f"  ({escape(reason)})" if reason else ""))
         console.print(plan_table(resolved, graph, limit=12))
         if len(graph.nodes) > 12:
             console.print(f"... {len(graph.nodes) - 12} more ops; "
@@ -83,33 +85,37 @@ def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float
     table = Table(title="torchweave train: summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("plan", f"{result.plan} on {cfg.parallel.world_size} ranks"
+
+    def row(key: str, value: str) -> None:
+        table.add_row(key, Text(value))  # paths, plans, reasons: data, never markup
+
+    row("plan", f"{result.plan} on {cfg.parallel.world_size} ranks"
                   + (f" ({result.plan_reason})" if result.plan_reason else ""))
-    table.add_row("steps", f"{result.start_step} -> {result.steps}"
+    row("steps", f"{result.start_step} -> {result.steps}"
                   + (f" (resumed at {result.start_step})" if result.start_step else "")
                   + (f", {result.skipped} skipped (non-finite)" if result.skipped else ""))
     if losses:
         head = losses[: max(1, min(10, len(losses) // 10))]
         tail = losses[-max(1, min(10, len(losses) // 10)):]
-        table.add_row("loss", f"{sum(head) / len(head):.4f} (first steps) -> "
+        row("loss", f"{sum(head) / len(head):.4f} (first steps) -> "
                               f"{sum(tail) / len(tail):.4f} (last steps)")
-    table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s "
+    row("throughput", f"{result.tokens_per_s:,.0f} tokens/s "
                                 f"(median step {result.step_time_s * 1e3:.1f} ms); "
                                 f"wall time {took_s:.1f} s")
     if choice is not None and result.plan in choice.predicted_s and result.step_time_s > 0:
         predicted = choice.predicted_s[result.plan]
-        table.add_row("predicted", f"{predicted * 1e3:.1f} ms a step on {choice.cluster} (the "
+        row("predicted", f"{predicted * 1e3:.1f} ms a step on {choice.cluster} (the "
                                    f"simulator, before launch), measured {result.step_time_s * 1e3:.1f}"
                                    f" ms: {predicted / result.step_time_s:.2f} x the measured")
-    table.add_row("memory per rank", ", ".join(
+    row("memory per rank", ", ".join(
         f"r{r}: {rss:.0f} MiB RSS / {st:.1f} MiB state"
         for r, (rss, st) in enumerate(zip(result.peak_rss_mib, result.state_mib))))
-    table.add_row("checkpoint", (result.checkpoint or "none written")
+    row("checkpoint", (result.checkpoint or "none written")
                   + (f" ({result.failed_saves} failed writes, logged)" if result.failed_saves else ""))
     if result.weights:
-        table.add_row("weights", f"{result.weights} (safetensors; loads with strict=True)")
-    table.add_row("per-rank code", f"{result.code_dir}/rank*.py (plan.json beside them)")
-    table.add_row("metrics", result.metrics + (f"; TensorBoard: {result.tensorboard}"
+        row("weights", f"{result.weights} (safetensors; loads with strict=True)")
+    row("per-rank code", f"{result.code_dir}/rank*.py (plan.json beside them)")
+    row("metrics", result.metrics + (f"; TensorBoard: {result.tensorboard}"
                                                if result.tensorboard else ""))
     console.print(table)
 

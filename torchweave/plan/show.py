@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
@@ -26,7 +27,9 @@ def plan_table(plan: Plan, graph: Graph, *, limit: int | None = None) -> Table:
         title += (f", {pipe.kind} pipeline: {pipe.stages} stages on groups "
                   f"{[list(g) for g in pipe.groups]}, {pipe.micro_batches} micro-batches")
         caption = "schedule (pipeline rank × step):\n" + format_schedule(pipe.schedule)
-    table = Table(title=title, caption=caption, caption_justify="left")
+    # names, sources and schedules are data: plain text, never rich markup
+    table = Table(title=Text(title), caption=Text(caption) if caption else None,
+                  caption_justify="left")
     cols = ("node", "op", "source", "annotation", "op-trans", "op-assign") + (("stage",) if pipe else ())
     for col in cols:
         table.add_column(col, overflow="fold")
@@ -37,5 +40,5 @@ def plan_table(plan: Plan, graph: Graph, *, limit: int | None = None) -> Table:
         if pipe is not None:
             stage = pipe.stage_of.get(node.name)
             row.append("all" if stage in pipe.shared else str(stage))
-        table.add_row(*row)
+        table.add_row(*map(Text, row))
     return table

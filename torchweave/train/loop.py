@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.parallel import parallelize
@@ -170,7 +171,7 @@ class Trainer:
             if log is not None:
                 log.event("checkpoint_failed", step=self.step, error=str(e))
                 self.console.print(f"[yellow]checkpoint at step {self.step} failed; training "
-                                   f"goes on, the last good checkpoint is kept:[/]\n{e}")
+                                   f"goes on, the last good checkpoint is kept:[/]\n{escape(str(e))}")
             return None, False
         if log is not None:
             log.event("checkpoint", step=self.step, path=str(path))
@@ -289,7 +290,7 @@ class Trainer:
     def _log_failure(self, event: str, message: str) -> None:
         if self._log is not None:
             self._log.event(event, step=self.step, error=message)
-        self.console.print(f"[yellow]{message}[/]")
+        self.console.print(f"[yellow]{escape(message)}[/]")
 
     def _one_step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, float, bool]:
         """Forward, backward, norm; the update only when both loss and norm are finite."""
