@@ -168,3 +168,23 @@ def test_loss_rewrites_are_exact_with_ignored_targets() -> None:
     assert targets.count("aten.linear.default") == 1 and "aten.add.Tensor" in targets
     (got,) = run_graph(graph, state_of(m), (x, y))
     torch.testing.assert_close(got, m(x, y))
+
+
+def test_a_model_that_offers_a_kv_cache_is_captured_without_one() -> None:
+    """A transformers decoder with ``use_cache=True`` (its default) concatenated onto an
+    empty cache, which failed the cat annotation and replicated; capture turns the cache
+    off for its trace only."""
+    import warnings
+
+    pytest.importorskip("transformers")
+    from torchweave.models.hf import hf_llama
+
+    model = hf_llama()
+    model.model.config.use_cache = True
+    x = torch.randint(0, 256, (2, 16))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        graph = torchweave.capture(model, (x, x))
+    assert not [str(w.message) for w in seen if "annotation" in str(w.message)]
+    assert all(m.numel > 0 for v in graph.values.values() if (m := v.meta) is not None)
+    assert model.model.config.use_cache is True  # left as it was

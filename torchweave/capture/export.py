@@ -7,6 +7,7 @@ The model may hold real tensors or meta tensors (build it under
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 from typing import Any
@@ -45,13 +46,31 @@ def capture(
         )
     arg_names = _bind_inputs(model, example_inputs, example_kwargs)
     try:
-        ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+        with _no_kv_cache(model):
+            ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
         raise _capture_failure(model, exc, arg_names, example_inputs, example_kwargs) from exc
     graph = _convert(model, ep, arg_names, name or type(model).__name__)
     normalize(graph)
     check_graph(graph)
     return graph
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: torch.nn.Module):
+    """Training builds no KV cache: a model that offers one (a transformers ``config`` with
+    ``use_cache``) is captured with it off, then left as it was. With it on, a decoder
+    concatenates each layer's keys onto an empty cache and returns the cache, ops that
+    training never reads."""
+    configs = {id(c): c for m in model.modules()
+               if (c := getattr(m, "config", None)) is not None and getattr(c, "use_cache", False) is True}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 def _bind_inputs(
