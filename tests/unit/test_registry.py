@@ -62,3 +62,16 @@ def test_wrong_annotation_is_caught() -> None:
     assert [f.split.dim for f in check_case(mm, spec=wrong_mm)] == ["k", "k"]
     right_mm = OpSpec(name="right_mm", annotation="m k+, k+ n -> m n")
     assert check_case(mm, spec=right_mm) == []
+
+
+def test_cat_onto_an_empty_tensor_annotates_and_splits() -> None:
+    """torch.cat skips a 1-D empty input beside rank-3 ones (a decoder's empty KV cache);
+    its rule failed on it, and the cat replicated."""
+    from torchweave.ops.selfcheck import bind_case
+
+    case = Case("aten.cat.default", torch.cat,
+                ([torch.zeros(0), torch.randn(4, 3, 2), torch.randn(4, 3, 5)], 2), {})
+    _, bound, _ = bind_case(case)
+    assert str(bound).startswith("e0^, a b x1^")
+    assert {s.parts for s in bound.splits()} >= {2}
+    assert check_case(case) == []

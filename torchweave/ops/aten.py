@@ -334,7 +334,10 @@ def _cat(call: Call) -> str:
     if "stack" in call.target:
         ins = [names[:dim] + names[dim + 1 :] for _ in call.inputs]
         return f"{join(*ins)} -> {join(names[:dim] + ['z^'] + names[dim + 1:])}"
-    ins = [names[:dim] + [f"x{i}^"] + names[dim + 1 :] for i in range(len(call.inputs))]
+    # torch.cat skips a 1-D empty input whatever the rank of the others (an empty KV
+    # cache, say): it gets a dim of its own, never split
+    ins = [[f"e{i}^"] if tuple(m.shape) == (0,) and rank != 1 else
+           names[:dim] + [f"x{i}^"] + names[dim + 1 :] for i, m in enumerate(call.inputs)]
     return f"{join(*ins)} -> {join(names[:dim] + ['z^'] + names[dim + 1:])}"
 
 
