@@ -139,7 +139,9 @@ def _add_sim_commands(sub) -> None:
                          "time, bubble, memory per device, MFU, tokens/s, $ per million tokens")
     sim.add_argument("model", metavar="MODEL")
     sim.add_argument("--cluster", required=True, metavar="SPEC", help=cluster_help)
-    sim.add_argument("--plan", default="dp", help=PLAN_HELP + " (default: dp)")
+    sim.add_argument("--plan", action="append", metavar="PLAN",
+                     help=PLAN_HELP + " (default: dp). Give it several times to rank several "
+                     "plans on one capture: a table of them follows")
     sim.add_argument("--world-size", type=int, help="ranks (default: the cluster's size)")
     sim.add_argument("--meta", action="store_true", help="build the model on the meta device")
     sim.add_argument("--grad-accum", type=int, default=1, metavar="K",

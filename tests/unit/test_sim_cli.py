@@ -205,3 +205,31 @@ def test_simulate_accumulates_the_example_batch_in_micro_batches(capsys) -> None
     assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--grad-accum", "3"]) == 2
     err = capsys.readouterr()
     assert "--grad-accum" in err.out + err.err and "4 % 3 != 0" in err.out + err.err
+
+
+def test_simulate_ranks_several_plans_on_one_capture(capsys, monkeypatch) -> None:
+    import re
+
+    import torchweave.commands.sim as sim
+
+    captures = []
+    real = sim._capture
+    monkeypatch.setattr(sim, "_capture", lambda *a: captures.append(a) or real(*a))
+    plans = ["tp", "dp", "1f1b:tp=2,pp=2,micro=2", "zero3:recompute=full"]
+    assert main(["simulate", "gpt-tiny", "--cluster", "4xA100-80GB-SXM",
+                 *[x for p in plans for x in ("--plan", p)]]) == 0
+    out = capsys.readouterr().out
+    assert len(captures) == 1 and "captured gpt-tiny once" in out
+    table = out[out.index("4 plans on 4xA100-80GB-SXM, fastest first"):]
+    rows = [line for line in table.splitlines() if any(f"│ {p} " in line for p in plans)]
+    assert len(rows) == 4
+    steps = [float(re.search(r"│\s+([\d.]+) us", r).group(1)) for r in rows]
+    assert steps == sorted(steps)
+    for p in plans:  # each plan's own summary is printed too, as with one --plan
+        assert re.search(rf"^{re.escape(p.split(':')[0])}\S* on 4xA100-80GB-SXM", out, re.M), p
+
+
+def test_a_timeline_is_for_one_plan(tmp_path, capsys) -> None:
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp",
+                 "--plan", "tp", "--trace", str(tmp_path / "t.json")]) == 2
+    assert "a timeline is written for one plan" in capsys.readouterr().out

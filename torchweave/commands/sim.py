@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,13 +132,49 @@ def _mib(nbytes: float) -> str:
 
 # ------------------------------------------------------------------ simulate
 def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
-    from torchweave.sim.trace import save_gantt_png, to_chrome_trace
-
+    specs = (args.plan if isinstance(args.plan, list) else [args.plan]) if args.plan else ["dp"]
+    if len(specs) > 1 and (args.trace or args.gantt):
+        raise TorchweaveError(Problem(
+            obj="--trace/--gantt", value=f"{len(specs)} plans",
+            rule="a timeline is written for one plan", fix="give one --plan with --trace or --gantt"))
     cluster = load_cluster(args.cluster)
     accum = getattr(args, "grad_accum", 1)
+    start = time.perf_counter()
     graph = _capture(args.model, args.meta, accum)
-    plan = _plan_for(args.plan, graph, cluster, args.world_size)
-    setup = Setup(graph, plan, cluster, _dtype(args.dtype), accum)
+    took = time.perf_counter() - start
+    plans = [_plan_for(spec, graph, cluster, args.world_size) for spec in specs]  # all checked first
+    if len(plans) > 1:
+        console.print(f"captured {args.model} once in {took:.2f} s; {len(plans)} plans on it",
+                      highlight=False, markup=False)
+    rows, code = [], 0
+    for spec, plan in zip(specs, plans):
+        start = time.perf_counter()
+        result = _simulate_one(args, console, Setup(graph, plan, cluster, _dtype(args.dtype), accum))
+        code |= 1 if result.oom else 0
+        rows.append((spec, result, time.perf_counter() - start))
+    if len(rows) > 1:
+        _ranking(rows, cluster, console)
+    return code
+
+
+def _ranking(rows: list, cluster, console: Console) -> None:
+    """The plans, fastest first: step time, tokens/s, MFU, peak memory, fits, seconds taken."""
+    t = Table(title=Text(f"{len(rows)} plans on {cluster}, fastest first"))
+    for col in ("plan", "step", "tokens/s", "MFU", "peak memory", "fits", "simulated in"):
+        t.add_column(col, justify="left" if col in ("plan", "fits") else "right")
+    for spec, r, secs in sorted(rows, key=lambda x: (bool(x[1].oom), x[1].step_time)):
+        peak = max(m.peak for m in r.memory)
+        t.add_row(*map(Text, (spec, _ms(r.step_time), f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
+                              f"{peak / GiB:.3g} GiB", "no (out of memory)" if r.oom else "yes",
+                              f"{secs:.2f} s")))
+    console.print(t)
+
+
+def _simulate_one(args: argparse.Namespace, console: Console, setup: Setup):
+    """Simulate and print one plan (its trace and Gantt chart if asked); the result."""
+    from torchweave.sim.trace import save_gantt_png, to_chrome_trace
+
+    cluster = setup.cluster
     result = _sim(setup, profiles=_profiles(setup, console) if getattr(args, "profile", False) else None)
     console.print(result.summary(), highlight=False, markup=False)
     per = [f"{r}: {m.peak / GiB:.3g}" for r, m in enumerate(result.memory)]
@@ -163,7 +200,7 @@ def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
             console.print(f"wrote {args.gantt}", highlight=False)
         except TorchweaveError as exc:
             console.print(f"no Gantt chart: {exc}", highlight=False, markup=False)
-    return 1 if result.oom else 0
+    return result
 
 
 LEANEST = "zero3:recompute=full"
