@@ -62,7 +62,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     from torchweave.factory import load
     from torchweave.lower.lower import lower
     from torchweave.codegen.render import write
-    from torchweave.plan.show import plan_table
+    from torchweave.plan.show import plan_table, replication_note
     from torchweave.plan.validate import validate
     from torchweave.policies import resolve
 
@@ -73,6 +73,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     console.print(plan_table(plan, graph, limit=None if args.all else 40))
     if not args.all and len(graph.nodes) > 40:
         console.print(f"... {len(graph.nodes) - 40} more nodes (--all shows every node)")
+    note = replication_note(plan, graph)
+    if note:
+        console.print(note, highlight=False, markup=False)
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json())

@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from torchweave.plan.show import replication_note
 from torchweave.parallel import Compiled, compile_plan, rank_module
 from torchweave.policies import PlanLike
 from torchweave.runtime.executor import OptimizerFactory, StepConfig, default_optimizer
@@ -90,6 +91,8 @@ class Report:
     this where that is more than ``tolerance``."""
     bf16_params: dict[str, float] = field(default_factory=dict)
     """The same for parameters after the steps."""
+    replicated: str = ""
+    """A note when much of the plan's work runs replicated (``plan.show.replication_note``)."""
 
     def allowed(self, what: str, path: str) -> float:
         """The largest relative difference ``what`` (``grad`` or ``param``) of ``path`` may show."""
@@ -156,6 +159,8 @@ class Report:
             lines.append(f"  zero-gradient parameters (compared by gradient only): {', '.join(self.noise)}")
         lines.append(f"  losses (one device / plan): "
                      + ", ".join(f"{a:.6f}/{b:.6f}" for a, b in self.losses))
+        if self.replicated:
+            lines.append(f"  {self.replicated}")
         return "\n".join(lines)
 
 
@@ -287,7 +292,8 @@ def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchC
 def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_size: int,
             tolerance: float) -> Report:
     """One case's report from every rank's results and a one-device run."""
-    report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance)
+    report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance,
+                    replicated=replication_note(comp.plan, comp.graph))
     errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
     if errors:
         report.error = "; ".join(errors)

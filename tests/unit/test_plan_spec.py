@@ -142,3 +142,23 @@ def test_the_simulator_sees_what_each_recompute_keeps() -> None:
     assert acts["full"] < acts["selective"] < acts["none"], acts
     steps = {m: r.step_time for m, r in res.items()}
     assert steps["none"] < steps["selective"] < steps["full"], steps  # each pays its forward again
+
+
+def test_a_plan_that_replicates_much_of_its_work_says_so(capsys) -> None:
+    """moe-tiny's expert einsum has no split under dp: every rank runs all of it."""
+    from torchweave.cli import main
+    from torchweave.plan.show import REPLICATION_NOTE, replicated_flops, replication_note
+
+    moe, gpt = captured("moe-tiny"), captured("gpt-tiny")
+    share, ranked = replicated_flops(resolve("dp", moe, 2), moe)
+    assert share > REPLICATION_NOTE and ranked[0][0] == "aten.einsum.default"
+    assert "of the forward FLOPs run replicated under 'dp' (aten.einsum.default" in \
+        replication_note(resolve("dp", moe, 2), moe)
+    assert replication_note(resolve("dp", gpt, 2), gpt) == ""
+    assert replicated_flops(resolve("tp", gpt, 2), gpt)[0] < REPLICATION_NOTE  # layer norms only
+    assert main(["plan", "moe-tiny", "--plan", "dp", "--world-size", "2"]) == 0
+    assert "run replicated under 'dp'" in capsys.readouterr().out
+    from torchweave.verify import Report
+
+    note = replication_note(resolve("dp", moe, 2), moe)
+    assert note in str(Report("dp", 2, 1, 1e-5, losses=[(1.0, 1.0)], replicated=note))

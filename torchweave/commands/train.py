@@ -41,7 +41,7 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
     import torch
 
     from torchweave.api import capture
-    from torchweave.plan.show import plan_table
+    from torchweave.plan.show import plan_table, replication_note
     from torchweave.policies import resolve
     from torchweave.train.auto import choose_plan
     from torchweave.train.build import build_model
@@ -68,6 +68,9 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
         console.print(f"[bold]plan[/] {escape(plan)} on {cfg.parallel.world_size} ranks"
                       + (f"  ({escape(reason)})" if reason else ""))
         console.print(plan_table(resolved, graph, limit=12))
+        note = replication_note(resolved, graph)
+        if note:
+            console.print(note, highlight=False, markup=False)
         if len(graph.nodes) > 12:
             console.print(f"... {len(graph.nodes) - 12} more ops; "
                           f"`torchweave plan` shows all of them")
