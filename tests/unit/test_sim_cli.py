@@ -148,7 +148,8 @@ def test_explain_folded_model_gives_every_block_its_communication() -> None:
     import torch
 
     import torchweave
-    from torchweave.commands.sim import Setup, explain_plan
+    from torchweave.commands.explain import explain_plan
+    from torchweave.commands.sim import Setup
     from torchweave.models.gpt import GPT, GPTConfig
     from torchweave.policies import resolve
     from torchweave.sim import parse_cluster

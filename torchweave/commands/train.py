@@ -60,7 +60,8 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
         plan, reason = choice.plan, f"auto: {choice.reason}"
     if console is not None:
         n = sum(p.numel() for p in model.parameters())
-        console.print(f"[bold]model[/] {escape(str(cfg.model.factory))} {escape(str(cfg.model.kwargs or ''))}: "
+        model_text = escape(f"{cfg.model.factory} {cfg.model.kwargs or ''}")
+        console.print(f"[bold]model[/] {model_text}: "
                       f"{n / 1e6:.2f}M parameters, {len(graph.nodes)} ops; "
                       f"[bold]data[/] {escape(str(cfg.data.kind))}, {len(dataset)} samples of "
                       f"{cfg.data.seq_len} tokens")
@@ -93,33 +94,31 @@ def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float
         table.add_row(key, Text(value))  # paths, plans, reasons: data, never markup
 
     row("plan", f"{result.plan} on {cfg.parallel.world_size} ranks"
-                  + (f" ({result.plan_reason})" if result.plan_reason else ""))
+        + (f" ({result.plan_reason})" if result.plan_reason else ""))
     row("steps", f"{result.start_step} -> {result.steps}"
-                  + (f" (resumed at {result.start_step})" if result.start_step else "")
-                  + (f", {result.skipped} skipped (non-finite)" if result.skipped else ""))
+        + (f" (resumed at {result.start_step})" if result.start_step else "")
+        + (f", {result.skipped} skipped (non-finite)" if result.skipped else ""))
     if losses:
         head = losses[: max(1, min(10, len(losses) // 10))]
         tail = losses[-max(1, min(10, len(losses) // 10)):]
         row("loss", f"{sum(head) / len(head):.4f} (first steps) -> "
-                              f"{sum(tail) / len(tail):.4f} (last steps)")
+                    f"{sum(tail) / len(tail):.4f} (last steps)")
     row("throughput", f"{result.tokens_per_s:,.0f} tokens/s "
-                                f"(median step {result.step_time_s * 1e3:.1f} ms); "
-                                f"wall time {took_s:.1f} s")
+                      f"(median step {result.step_time_s * 1e3:.1f} ms); wall time {took_s:.1f} s")
     if choice is not None and result.plan in choice.predicted_s and result.step_time_s > 0:
         predicted = choice.predicted_s[result.plan]
-        row("predicted", f"{predicted * 1e3:.1f} ms a step on {choice.cluster} (the "
-                                   f"simulator, before launch), measured {result.step_time_s * 1e3:.1f}"
-                                   f" ms: {predicted / result.step_time_s:.2f} x the measured")
+        row("predicted", f"{predicted * 1e3:.1f} ms a step on {choice.cluster} (the simulator, "
+                         f"before launch), measured {result.step_time_s * 1e3:.1f} ms: "
+                         f"{predicted / result.step_time_s:.2f} x the measured")
     row("memory per rank", ", ".join(
         f"r{r}: {rss:.0f} MiB RSS / {st:.1f} MiB state"
         for r, (rss, st) in enumerate(zip(result.peak_rss_mib, result.state_mib))))
     row("checkpoint", (result.checkpoint or "none written")
-                  + (f" ({result.failed_saves} failed writes, logged)" if result.failed_saves else ""))
+        + (f" ({result.failed_saves} failed writes, logged)" if result.failed_saves else ""))
     if result.weights:
         row("weights", f"{result.weights} (safetensors; loads with strict=True)")
     row("per-rank code", f"{result.code_dir}/rank*.py (plan.json beside them)")
-    row("metrics", result.metrics + (f"; TensorBoard: {result.tensorboard}"
-                                               if result.tensorboard else ""))
+    row("metrics", result.metrics + (f"; TensorBoard: {result.tensorboard}" if result.tensorboard else ""))
     console.print(table)
 
 

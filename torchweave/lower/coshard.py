@@ -27,7 +27,7 @@ from torchweave.lower.derive import Need
 from torchweave.lower.pieces import PieceInfo, local_call, node_pieces, output_piece, tensor_box
 from torchweave.lower.program import Compute, LocalRef
 from torchweave.ops import info
-from torchweave.plan.layout import Box, Layout, Piece, full_box
+from torchweave.plan.layout import Box, Layout, Piece, full_box, hull
 from torchweave.plan.validate import PlanError
 
 
@@ -47,10 +47,6 @@ def coshard_key(plan, node: str) -> tuple[int, int] | None:
     return None
 
 
-def _union(boxes: list[Box]) -> Box:
-    return tuple((min(b[i][0] for b in boxes), max(b[i][1] for b in boxes)) for i in range(len(boxes[0])))
-
-
 def lower_region(lw: Any, nodes: list[Node], device: int, k: int) -> None:
     """Emit ``nodes`` (co-sharded ``k`` ways on ``device``) chunk by chunk into ``lw``'s program."""
     graph, prog = lw.graph, lw.programs[device]
@@ -68,7 +64,7 @@ def lower_region(lw: Any, nodes: list[Node], device: int, k: int) -> None:
             if tspec.meta_only and device in lw.held.get(ref.name, {}):
                 outer[ref.name] = (lw.local.get((ref.name, device), ref.name), ())
                 continue
-            union = _union([tensor_box(bound, tspec, meta.shape, p) for p in pieces[n.name]])
+            union = hull([tensor_box(bound, tspec, meta.shape, p) for p in pieces[n.name]])
             name = lw._provide(ref.name, {device: Need(union, ("coshard", region))}, n)[device]
             outer[ref.name] = (name, union)
     users = graph.consumers()

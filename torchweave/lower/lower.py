@@ -25,7 +25,7 @@ from torchweave.lower.program import (
 from torchweave.lower.stages import insert_frees, split_stages
 from torchweave.lower.steps import Box, Group, devices_of, name_of
 from torchweave.ops import info
-from torchweave.plan.layout import Layout, Piece, full_box
+from torchweave.plan.layout import Layout, Piece, full_box, hull
 from torchweave.plan.plan import Plan
 from torchweave.plan.recycle import Recycle, resolve_links
 from torchweave.plan.validate import PlanError, validate
@@ -90,12 +90,10 @@ class Lowering:
         out = []
         for ref, tspec in zip(node.input_refs(), bound.annotation.inputs):
             shape = self.graph.values[ref.name].meta.shape
-            needs = {}
-            for d, ps in by_device.items():
-                box = tensor_box(bound, tspec, shape, ps[0])
-                for p in ps[1:] if coshard else ():
-                    box = _hull(box, tensor_box(bound, tspec, shape, p))
-                needs[d] = Need(box, ("coshard", node.name) if coshard else ps[0].piece_id)
+            needs = {d: Need(hull([tensor_box(bound, tspec, shape, p) for p in ps]),
+                             ("coshard", node.name)) if coshard else
+                        Need(tensor_box(bound, tspec, shape, ps[0]), ps[0].piece_id)
+                     for d, ps in by_device.items()}
             out.append((ref, tspec, needs))
         return out, by_device
 
@@ -206,7 +204,7 @@ class Lowering:
         if v.kind == "input":
             reads = self.input_reads.setdefault(value, {})
             for d, n in needs.items():
-                reads[d] = _hull(reads[d], n.box) if d in reads else n.box
+                reads[d] = hull([reads[d], n.box]) if d in reads else n.box
         key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
         if key in self.cache:
             return dict(self.cache[key])
@@ -278,10 +276,6 @@ class Lowering:
         for prog in self.programs:
             prog.groups = ordered
             _insert_frees(prog)
-
-
-def _hull(a: Box, b: Box) -> Box:
-    return tuple((min(x0, y0), max(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
 
 
 def recycle_links(low: Lowering, recycle: Recycle) -> list[RecycleLink]:

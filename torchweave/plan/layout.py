@@ -47,6 +47,12 @@ def full_box(shape: tuple[int, ...]) -> tuple[Range, ...]:
     return tuple((0, s) for s in shape)
 
 
+def hull(boxes: list[Box]) -> Box:
+    """The smallest box holding every box of ``boxes`` (all of one rank)."""
+    return tuple((min(b[i][0] for b in boxes), max(b[i][1] for b in boxes))
+                 for i in range(len(boxes[0])))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Device → the piece it holds, for one logical tensor of ``shape``."""
