@@ -316,3 +316,10 @@ def test_plan_auto_on_a_cpu_counts_this_machines_cores(monkeypatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     own = choose_plan(graph, 4)
     assert shared.predicted_s[shared.plan] > 1.5 * own.predicted_s[own.plan]
+
+
+@pytest.mark.parametrize("cores", [0, -2, "x", 2.5, True, "__import__('os').system('true')"])
+def test_a_bad_core_count_in_a_cluster_yaml_is_refused(cores) -> None:
+    with pytest.raises(SimError, match="cores"):
+        cluster_from_dict({"device": {"base": "CPU-2core", "cores": cores}, "nodes": 1,
+                           "devices_per_node": 4})
