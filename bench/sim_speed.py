@@ -1,91 +1,150 @@
-"""Simulation speed: one training step of GPT-3 175B (96 layers) on 1,024 simulated GPUs.
+"""Simulation speed at search scale: GPT-3 175B and a 1T GPT on 64, 1,024 and 16,384 simulated GPUs.
 
-Phases, timed separately (wall clock, this process):
+For each model: one capture on the meta device (global batch ``--batch`` x
+2048 tokens), then for each cluster size and plan string, the plan is built
+(``torchweave.policies.resolve``, what ``--plan`` does) and one step simulated
+(``torchweave.sim.simulate``, what ``torchweave simulate`` calls), each timed
+on its own (wall clock, this process). Plans: Megatron tensor parallelism
+inside each 8-GPU node with data parallelism across (``tp:tp=8``), and
+pipelines of tp = 8 under the interleaved schedule and ZB-H1. Pipelined plans
+take the stage fast path (``sim/stagefold.py``), the others replica symmetry
+and block folding (``sim/symmetry.py``, ``sim/fold.py``); the issue's target
+is at most 5 s per plan after capture.
 
-1. capture ``FACTORIES["gpt-175b"]`` on the meta device, with a global batch
-   of ``--batch`` x 2048 tokens (the factory's batch of 1 does not split 128 ways);
-2. plan: the ``tp`` policy with ``tp_size=8`` (Megatron TP inside each 8-GPU
-   node, data parallel over the 128 nodes);
-3. simulation: ``torchweave.sim.simulate(graph, plan, cluster)`` on
-   ``1024xA100-80GB-SXM`` (the issue's target: under 5 s). It lowers and
-   simulates one data-parallel replica (``sim/symmetry.py``) of a model cut to
-   3 and 4 of its 96 identical blocks, and extrapolates (``sim/fold.py``);
-4. with ``--exact``: the same plan on ``--exact-cluster`` (default 64 GPUs)
-   both ways, every rank and block lowered and simulated against the fast
-   path, to show what the fast path changes.
+``--exact`` also compares, on 64 GPUs, the fast path with lowering and
+simulating every rank and block, for the 175B pipelined plans.
 
-Run: python bench/sim_speed.py [--cluster 1024xA100-80GB-SXM] [--tp 8] [--batch 128] [--exact]
+Run: python bench/sim_speed.py [--batch 2048] [--exact] [--readme]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent
+BEGIN, END = "<!-- sim-speed:begin -->", "<!-- sim-speed:end -->"
 
-def main() -> None:
+MODELS = {  # name: (layers, d_model, heads), vocabulary 50304, sequence 2048
+    "GPT-3 175B": (96, 12288, 96),
+    "GPT 1T": (128, 25600, 160),  # Megatron-LM's 1T configuration (Narayanan et al., 2021)
+}
+
+
+def plans(model: str, gpus: int) -> list[str]:
+    """Plan strings for a cluster of ``gpus``: tp x dp, interleaved and ZB pipelines."""
+    pp = 8 if gpus <= 1024 else 16
+    layers = MODELS[model][0]
+    virtual = max(2, layers // (pp * 4))  # about four blocks a stage
+    micro = {64: 64, 1024: 64}.get(gpus, 16)
+    return ["tp:tp=8", f"interleaved:tp=8,pp={pp},virtual={virtual},micro={micro}",
+            f"zb:tp=8,pp={pp},micro={micro}"]
+
+
+def capture(name: str, batch: int):
+    import torchweave
+    from torchweave.models.gpt import GPT, GPTConfig
+
+    layers, d, heads = MODELS[name]
+    cfg = GPTConfig(vocab_size=50304, block_size=2048, n_layer=layers, n_head=heads, d_model=d)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.empty(batch, 2048, dtype=torch.long)
+    return torchweave.capture(model, (idx, idx), name=name)
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cluster", default="1024xA100-80GB-SXM")
-    ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--exact", action="store_true",
-                    help="also compare fast and exact simulation on --exact-cluster")
-    ap.add_argument("--exact-cluster", default="64xA100-80GB-SXM")
+    ap.add_argument("--batch", type=int, default=2048, help="global batch in sequences of 2048")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 1024, 16384])
+    ap.add_argument("--exact", action="store_true")
+    ap.add_argument("--readme", action="store_true", help="write the tables into bench/README.md")
     args = ap.parse_args()
 
-    import torchweave
-    from torchweave.lower.lower import lower
-    from torchweave.models import FACTORIES
-    from torchweave.policies.tensor import tp
+    from torchweave.policies import resolve
     from torchweave.sim import simulate
     from torchweave.sim.cluster import parse_cluster
 
-    cluster = parse_cluster(args.cluster)
-    t = {}
-    t0 = time.perf_counter()
-    model, _ = FACTORIES["gpt-175b"]()
-    with torch.device("meta"):
-        idx = torch.empty(args.batch, 2048, dtype=torch.long)
-        tgt = torch.empty(args.batch, 2048, dtype=torch.long)
-    graph = torchweave.capture(model, (idx, tgt))
-    t["capture"] = time.perf_counter() - t0
-    print(f"capture: {t['capture']:.2f} s", flush=True)
-    t0 = time.perf_counter()
-    plan = tp(graph, cluster.size, tp_size=args.tp)
-    t["plan"] = time.perf_counter() - t0
-    print(f"plan: {t['plan']:.2f} s", flush=True)
-    t0 = time.perf_counter()
-    res = simulate(graph, plan, cluster, timeline=False)
-    t["simulation"] = time.perf_counter() - t0
-    print(f"simulation: {t['simulation']:.2f} s", flush=True)
-    print(res.summary())
-    print(f"\n{len(graph.nodes)} nodes, {cluster.size} ranks")
-    print("| phase | seconds |\n|---|---|")
-    for k, v in t.items():
-        print(f"| {k} | {v:.2f} |")
+    rows, graphs = [], {}
+    for name in MODELS:
+        t0 = time.perf_counter()
+        graphs[name] = g = capture(name, args.batch)
+        took = time.perf_counter() - t0
+        print(f"{name}: captured in {took:.2f} s ({len(g.nodes)} nodes)", flush=True)
+        for gpus in args.sizes:
+            cluster = parse_cluster(f"{gpus}xA100-80GB-SXM@8")
+            for spec in plans(name, gpus):
+                t0 = time.perf_counter()
+                plan = resolve(spec, g, gpus)
+                t1 = time.perf_counter()
+                res = simulate(g, plan, cluster, dtype=torch.bfloat16, timeline=False)
+                t2 = time.perf_counter()
+                path = ("stages" if res.pipeline_bubble is not None and res.folded_blocks
+                        else "replicas+fold" if res.replicas and res.folded_blocks
+                        else "fold" if res.folded_blocks else "exact")
+                rows.append((name, took, gpus, spec, t1 - t0, t2 - t1, path, res))
+                print(f"  {gpus:>6} {spec:45s} plan {t1 - t0:5.2f} s  simulate {t2 - t1:5.2f} s  "
+                      f"[{path}] step {res.step_time:.4g} s, MFU {res.mfu:.1%}", flush=True)
+    text = ("| model | capture s | GPUs | plan | plan s | simulate s | fast path | step s | MFU |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    for name, took, gpus, spec, tp_, ts, path, res in rows:
+        text += (f"| {name} | {took:.1f} | {gpus:,} | `{spec}` | {tp_:.2f} | **{ts:.2f}** | {path} | "
+                 f"{res.step_time:.4g} | {res.mfu:.1%} |\n")
+    worst = max(r[4] + r[5] for r in rows)
+    text += f"\nSlowest plan + simulate: {worst:.2f} s (target: 5 s).\n"
     if args.exact:
-        small = parse_cluster(args.exact_cluster)
-        plan = tp(graph, small.size, tp_size=args.tp)
+        text += "\n" + exact_table(graphs["GPT-3 175B"])
+    print("\n" + text)
+    if args.readme:
+        _write_readme(text, " ".join(sys.argv[1:]))
+    return 0
+
+
+def exact_table(g) -> str:
+    """Fast against exact on 64 GPUs for the 175B pipelined plans."""
+    from torchweave.policies import resolve
+    from torchweave.sim import simulate
+    from torchweave.sim.cluster import parse_cluster
+
+    cluster = parse_cluster("64xA100-80GB-SXM@8")
+    out = ("On 64 GPUs, GPT-3 175B, the fast path against lowering and simulating every "
+           "rank and block (largest relative difference over ranks):\n\n"
+           "| plan | fast s | exact s | step | compute | comm | peak memory | FLOPs |\n"
+           "|---|---|---|---|---|---|---|---|\n")
+    for spec in plans("GPT-3 175B", 64)[1:]:
+        plan = resolve(spec, g, 64)
         t0 = time.perf_counter()
-        fast = simulate(graph, plan, small, timeline=False)
-        t_fast = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        programs = lower(graph, plan)
-        t_lower = time.perf_counter() - t0
-        exact = simulate(graph, plan, small, programs=programs, timeline=False)
-        t_exact = time.perf_counter() - t0
-        print(f"\n{small}: fast {t_fast:.2f} s, exact {t_exact:.2f} s (lowering {t_lower:.2f} s)")
-        print("| quantity | exact | fast | fast/exact - 1 |\n|---|---|---|---|")
-        for what, x, y in (("step time s", exact.step_time, fast.step_time),
-                           ("compute/rank s", max(exact.compute_time), max(fast.compute_time)),
-                           ("comm/rank s", max(exact.comm_time), max(fast.comm_time)),
-                           ("peak memory GiB", max(exact.peak_memory) / 2**30,
-                            max(fast.peak_memory) / 2**30),
-                           ("model TFLOP", exact.model_flops / 1e12, fast.model_flops / 1e12)):
-            print(f"| {what} | {x:.6g} | {y:.6g} | {y / x - 1:+.3%} |")
+        fast = simulate(g, plan, cluster, dtype=torch.bfloat16, timeline=False)
+        t1 = time.perf_counter()
+        exact = simulate(g, plan, cluster, dtype=torch.bfloat16, timeline=False, fold=False)
+        t2 = time.perf_counter()
+
+        def worst(a, b) -> str:
+            return f"{max(abs(x / y - 1) if y else abs(x) for x, y in zip(a, b)):.2e}"
+
+        out += (f"| `{spec}` | {t1 - t0:.2f} | {t2 - t1:.2f} | "
+                f"{worst([fast.step_time], [exact.step_time])} | "
+                f"{worst(fast.compute_time, exact.compute_time)} | "
+                f"{worst(fast.comm_time, exact.comm_time)} | "
+                f"{worst(fast.peak_memory, exact.peak_memory)} | "
+                f"{worst([fast.model_flops], [exact.model_flops])} |\n")
+        print(out.splitlines()[-1], flush=True)
+    return out
+
+
+def _write_readme(text: str, args: str) -> None:
+    path = ROOT / "README.md"
+    stamp = time.strftime("%Y-%m-%d")
+    body = f"{BEGIN}\n`python bench/sim_speed.py {args}` ({stamp}, this 2-core machine):\n\n{text}{END}"
+    old = path.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    path.write_text(pattern.sub(lambda _m: body, old) if pattern.search(old) else old + "\n" + body + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -63,6 +63,14 @@ def test_options_that_do_not_fit_the_world_name_both_sizes() -> None:
         assert w in str(info.value), str(info.value)
 
 
+def test_a_pipeline_given_pp_and_tp_takes_the_rest_as_data_parallel() -> None:
+    graph = captured("gpt-tiny")
+    plan = resolve("1f1b:pp=2,micro=2", graph, 4)
+    assert plan.mesh.axes == (("pp", 2), ("dp", 2), ("tp", 1))
+    assert PlanSpec.parse("zb:tp=2,pp=2").dp(16) == 4
+    assert PlanSpec.parse("zb:tp=2").dp(16) == 1  # no pp: pp = world / (dp * tp)
+
+
 def test_the_train_config_reads_the_same_strings() -> None:
     assert ParallelConfig(plan="tp:tp=2", world_size=4, micro_batch=2, global_batch=4).dp == 2
     assert ParallelConfig(plan="1f1b:dp=2,tp=1", world_size=4, micro_batch=2, global_batch=4).dp == 2

@@ -302,8 +302,10 @@ def _insert_frees(prog: Program) -> None:
     prog.instrs = insert_frees(prog.instrs, {prog.loss or ""} | {i.local for i in prog.inputs})
 
 
-def lower(graph: Graph, plan: Plan) -> list[Program]:
-    """Validate ``plan`` and lower it to one Program per rank."""
+def lower(graph: Graph, plan: Plan, *, stages: bool = True) -> list[Program]:
+    """Validate ``plan`` and lower it to one Program per rank. ``stages=False``: leave a
+    pipelined plan's Programs whole, without the per-stage segments, actions and messages
+    the runtime runs (the simulator reads the instructions and the plan's stages only)."""
     validate(plan, graph)
     low = Lowering(graph, plan)
     programs = low.run()
@@ -311,7 +313,7 @@ def lower(graph: Graph, plan: Plan) -> list[Program]:
         links = recycle_links(low, plan.pipeline.recycle)
         for prog in programs:
             prog.passes, prog.recycle = plan.pipeline.passes, links
-    if plan.pipeline is not None:
+    if plan.pipeline is not None and stages:
         split_stages(programs, graph, plan)
     for prog in programs:
         prog.recompute = [tuple(g) for g in plan.recompute]

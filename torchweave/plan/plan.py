@@ -98,8 +98,10 @@ class Plan:
     def assign(self, node: str, piece: PieceIndex, device: int) -> "Plan":
         """op-assign: run ``piece`` of ``node`` on ``device``."""
         n = self.num_pieces(node)
-        devices = self.assignment.setdefault(node, [-1] * n)
+        # A copy: policies may give many nodes one list (propagate), never written in place.
+        devices = list(self.assignment.get(node) or [-1] * n)
         devices[self.flat(node, piece)] = device
+        self.assignment[node] = devices
         return self
 
     def assign_all(self, node: str, devices: list[int]) -> "Plan":

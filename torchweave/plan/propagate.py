@@ -106,6 +106,7 @@ def propagate(
                 if out:
                     place[out] = _output_placement(op, j, dim)
     plan = Plan(world_size=mesh.size, name=name, mesh=mesh)
+    everyone = list(range(mesh.size))  # one list for all nodes (Plan.assign copies before writing)
     for node in graph.nodes:
         for axis, parts in mesh.axes:
             if parts == 1:
@@ -115,7 +116,7 @@ def propagate(
                 plan.replicate(node.name, parts)
             else:
                 plan.split(node.name, dim, parts)
-        plan.assign_all(node.name, list(range(mesh.size)))
+        plan.assignment[node.name] = everyone
     return plan
 
 

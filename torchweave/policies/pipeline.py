@@ -32,8 +32,7 @@ from torchweave.plan.plan import Plan
 from torchweave.plan.recycle import Recycle
 from torchweave.plan.schedules.recycle import multi_forward
 from torchweave.plan.schedules import (
-    Action, Kind, Schedule, check_stage_count, from_csv, gpipe, interleaved_1f1b, loop_stage_to_rank, one_f_one_b,
-    zero_bubble_h1,
+    Action, Kind, Schedule, builtin, check_stage_count, from_csv, loop_stage_to_rank,
 )
 from torchweave.policies.data import dp as dp_policy
 from torchweave.policies.recompute import block_of as _block
@@ -44,12 +43,13 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
-             pp: int | None = None, tp: int = 1, dp: int = 1, micro: int | None = None,
+             pp: int | None = None, tp: int = 1, dp: int | None = None, micro: int | None = None,
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
              cuts: list[int] | None = None, recycle: int = 1) -> Plan:
     """A pipelined plan: ``pp`` groups of ``dp * tp`` devices, ``micro`` micro-batches.
 
-    Defaults: ``pp = world_size / (dp * tp)``, ``virtual = 2`` stages per rank
+    Defaults: ``dp = world_size / (pp * tp)`` when ``pp`` is given, else 1;
+    ``pp = world_size / (dp * tp)``, ``virtual = 2`` stages per rank
     for ``interleaved`` (else 1), ``micro = 2 * pp``. ``cuts``, when given, are
     the graph positions where stages 1, 2, … start (instead of the FLOP-balanced cut).
     ``recycle`` > 1: that many forward passes per micro-batch, linked as the
@@ -58,6 +58,8 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
                                       rule=f"one of {', '.join(SCHEDULES)}"))
+    if dp is None:
+        dp = world_size // (pp * tp) if pp and tp and world_size % (pp * tp) == 0 else 1
     inner = tp * dp
     if pp is None:
         pp = world_size // inner if inner >= 1 and world_size % inner == 0 else 0
@@ -78,7 +80,7 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     if stages is not None:
         check_stage_count(stages, pp, virtual)
     micro = micro or 2 * pp
-    order = _schedule(schedule, pp, virtual, micro)
+    order = builtin(schedule, pp, virtual, micro)
     plan = _group_plan(graph, inner, tp, dp, zero)
     stage_of = cut(graph, n_stages) if cuts is None else cut_at(graph, cuts, n_stages)
     mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
@@ -161,16 +163,6 @@ def interlaced(graph: Graph, world_size: int, *, micro: int | None = None) -> Pl
                              schedule=interlaced_1f1b(world_size, micro), kind="interlaced")
     plan.notes["policy"] = f"interlaced(micro={micro})"
     return plan
-
-
-def _schedule(name: str, pp: int, virtual: int, micro: int) -> Schedule:
-    if name == "gpipe":
-        return gpipe(pp, micro)
-    if name == "1f1b":
-        return one_f_one_b(pp, micro)
-    if name == "zb":
-        return zero_bubble_h1(pp, micro)
-    return interleaved_1f1b(pp, virtual, micro)
 
 
 def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int) -> Plan:

@@ -11,7 +11,8 @@ Plan on a graph.
 Options (each policy takes those listed in :data:`OPTIONS`):
 
 ============  =================================================================
-``dp``        data-parallel degree (for ``dp`` and ``zero*``: the world size)
+``dp``        data-parallel degree (default: for ``dp`` and ``zero*`` the world size;
+              for pipelines given ``pp``, world / (pp × tp); else 1)
 ``tp``        tensor-parallel degree (``tp``, ``sp``, pipelines)
 ``pp``        pipeline ranks (pipelines; default: world / (dp × tp))
 ``micro``     micro-batches per step (pipelines; default 2 × pp)
@@ -125,7 +126,10 @@ class PlanSpec:
                 return o["dp"]
             return world_size // o["tp"] if "tp" in o and world_size % o["tp"] == 0 else 1
         if self.policy in OPTIONS and self.policy not in ("random", "interlaced"):
-            return o.get("dp", 1)
+            if "dp" in o or "pp" not in o:
+                return o.get("dp", 1)
+            inner = o["pp"] * o.get("tp", 1)
+            return world_size // inner if world_size % inner == 0 else 1
         return 1
 
     def build(self, graph: Graph, world_size: int) -> Plan:

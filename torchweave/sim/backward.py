@@ -33,25 +33,20 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
     kept = foot.gathered[-1] if foot.gathered else None  # forward ends with it gathered
     # ZeRO-1/2 reduce every owned gradient in one collective after backward
     # (runtime/zero.py ``finish_grads``); ZeRO-3 by unit; plain data parallel in buckets.
-    cap = math.inf if zero in (1, 2) else self.bucket_bytes
-    buckets: dict[tuple, list[str]] = {}
-    fill: dict[tuple, float] = {}
+    buckets = Buckets(math.inf if zero in (1, 2) else self.bucket_bytes)
     count: dict[tuple, int] = {}
     synced: list[str] = []
     gathered: set[str] = set()
 
-    def flush(grp: tuple) -> None:
-        names = buckets.pop(grp, [])
-        if not names:
-            return
+    def flush(grp: tuple, names: list[str], size: float) -> None:
         coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
         n = count[grp] = count.get(grp, 0) + 1
-        size = fill.pop(grp)
         foot.temporaries = max(foot.temporaries, int(size))
+        foot.bucket = max(foot.bucket, int(size))
         tag = f"grad sync {n}"
         out.append(Task(COMM, f"{coll.value} grads #{n} ({len(names)} params)",
                         tuple("g:" + p for p in names), (tag,), self.comm(coll, size, grp),
-                        ("g", n, grp), self._meet(grp)))
+                        ("g", n, grp), self._meet(grp), nbytes=int(size)))
         synced.append(tag)
 
     def reached(p: str, idx: int) -> None:
@@ -60,14 +55,13 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
             return
         for grp in params[p].grad_groups:
             grp = _mine((grp,), r)
-            buckets.setdefault(grp, []).append(p)
-            fill[grp] = fill.get(grp, 0.0) + nbytes[p]
+            foot.grad_order.append((p, grp, nbytes[p]))
+            closes = None
             if p in unit_of:
                 left[unit_of[p]] -= 1
-                if not left[unit_of[p]]:
-                    flush(grp)
-            elif fill[grp] >= cap:
-                flush(grp)
+                closes = not left[unit_of[p]]
+            for done in buckets.add(p, grp, nbytes[p], closes=closes):
+                flush(*done)
 
     for idx in range(len(prog.instrs) - 1, -1, -1):
         ins = prog.instrs[idx]
@@ -99,8 +93,8 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
             out.append(_comm_bwd(self, ins, r, nbytes))
             out[-1].stage = stage
             reached(ins.src, idx)
-    for grp in list(buckets):
-        flush(grp)
+    for done in buckets.drain():
+        flush(*done)
     local = sum(nbytes[p] for p in params)
     dp = max((len(_mine(s.grad_groups, r)) for s in params.values() if s.grad_groups), default=1)
     shard = local / dp if zero >= 1 else local
@@ -115,8 +109,34 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
     if 1 <= zero <= 2 and dp > 1:
         grp = next(_mine(s.grad_groups, r) for s in params.values() if s.grad_groups)
         out.append(Task(COMM, "all_gather params", ("opt",), (),
-                        self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), self._meet(grp)))
+                        self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), self._meet(grp),
+                        nbytes=int(local)))
     return out
+
+class Buckets:
+    """Gradients summed together, DDP-style: per group, a bucket fills in the order
+    backward reaches its parameters and is summed once it holds ``cap`` bytes (or when
+    ``closes`` says: a ZeRO-3 unit is complete); :meth:`drain` sums what is left."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.names: dict[tuple, list[str]] = {}
+        self.fill: dict[tuple, float] = {}
+
+    def add(self, name: str, group: tuple, nbytes: float, *, closes: bool | None = None
+            ) -> list[tuple[tuple, list[str], float]]:
+        """Add one gradient; the buckets it closes as (group, names, bytes)."""
+        self.names.setdefault(group, []).append(name)
+        self.fill[group] = self.fill.get(group, 0.0) + nbytes
+        full = closes if closes is not None else self.fill[group] >= self.cap
+        return [self._close(group)] if full else []
+
+    def drain(self) -> list[tuple[tuple, list[str], float]]:
+        return [self._close(g) for g in list(self.names)]
+
+    def _close(self, group: tuple) -> tuple[tuple, list[str], float]:
+        return group, self.names.pop(group), self.fill.pop(group)
+
 
 def _comm_bwd(self: Builder, ins: Comm, r: int, nbytes) -> Task:
     step = ins.step

@@ -42,6 +42,9 @@ class Task:
     stage: int = -1
     """Pipeline stage the task belongs to (-1: none, or after the pipeline; -2: a transfer
     between stage groups); read by :mod:`torchweave.sim.pipelined`, not by the engine."""
+    nbytes: int = 0
+    """A gradient sum or parameter gather after the backward: the bytes it moves (read by
+    :mod:`torchweave.sim.stagefold` to cost it at another size), not by the engine."""
 
 
 @dataclass(frozen=True, slots=True)

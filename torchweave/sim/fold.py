@@ -132,8 +132,13 @@ def _signature(graph: Graph, plan: Plan, blocks: Blocks, b: int, where: dict,
         metas = tuple((m.shape, m.dtype) for m in graph.output_metas(node))
         trans = tuple((t.dim, t.parts) for t in plan.transforms(node.name))
         sig.append((node.target, repr(args), metas, node.output_structure, trans,
-                    tuple(plan.assignment.get(node.name, ())), node.name in recomputed))
+                    _devices(plan.assignment.get(node.name, ())), node.name in recomputed))
     return tuple(sig)
+
+
+def _devices(devs) -> list:
+    """A node's devices as compared between blocks (a list: compared without a copy)."""
+    return devs if isinstance(devs, list) else list(devs)
 
 
 def _param_block(graph: Graph, blocks: Blocks) -> dict[str, set[int | None]]:

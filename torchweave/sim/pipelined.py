@@ -29,6 +29,7 @@ rank's last action. The optimizer and everything else of no stage follow both.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import Kind
@@ -39,61 +40,137 @@ from torchweave.sim.pipeline import PipelineStep, StageCost, simulate_schedule
 from torchweave.sim.tasks import Footprint
 
 
-def stage_costs(plan: Plan, tasks: dict[int, list[Task]], feet: dict[int, Footprint],
-                recycled: int = 0) -> list[StageCost]:
-    """One :class:`StageCost` per stage: the slowest rank of the stage's group; the last
-    stage sends ``recycled`` bytes per step back to stage 0 after each no-gradient pass."""
+@dataclass(frozen=True)
+class Sums:
+    """Collectives of one kind after the backward, on one rank: how many, bytes, seconds."""
+
+    count: int
+    nbytes: float
+    seconds: float
+    group: tuple[int, ...]
+    """The group of the first of them."""
+
+    def __add__(self, other: "Sums") -> "Sums":
+        return Sums(self.count + other.count, self.nbytes + other.nbytes,
+                    self.seconds + other.seconds, self.group or other.group)
+
+
+@dataclass(kw_only=True)
+class RankCosts:
+    """What the schedule needs of one rank's tasks, for the whole batch (seconds, bytes).
+
+    The exact path reads it off every rank's tasks (:func:`rank_costs`); the
+    fast path for large pipelines (:mod:`torchweave.sim.stagefold`) extrapolates
+    it from cut-down models."""
+
+    fwd: dict[int, float] = field(default_factory=dict)
+    """Stage → forward seconds (compute and communication inside the stage group)."""
+    bwd: dict[int, float] = field(default_factory=dict)
+    activations: dict[int, int] = field(default_factory=dict)
+    """Stage → bytes its ops save for backward."""
+    boundary: dict[int, float] = field(default_factory=dict)
+    """Stage → bytes it receives from other stage groups."""
+    syncs: dict[frozenset[int], Sums] = field(default_factory=dict)
+    """Gradient sums after the schedule, by the stages whose gradients they wait on."""
+    gathers: Sums | None = None
+    """ZeRO-1/2: the all-gather of the updated parameter shards, after the optimizer."""
+    rest: float = 0.0
+    """Seconds of the other tasks of no stage (the optimizer), after the sums."""
+    stage_comm: float = 0.0
+    """Communication seconds inside the stages (transfers between stage groups excluded)."""
+    extra_activations: int = 0
+    """Activation bytes of no stage (held for the whole step)."""
+
+    @property
+    def after(self) -> float:
+        """Seconds after the sums: the optimizer and the rest, and the ZeRO-1/2 gather."""
+        return self.rest + (self.gathers.seconds if self.gathers else 0.0)
+
+    @property
+    def tail(self) -> float:
+        """Seconds of the tasks of no stage."""
+        return sum(s.seconds for s in self.syncs.values()) + self.after
+
+    @property
+    def comm(self) -> float:
+        """Communication seconds of the whole step, transfers between stage groups excluded."""
+        return (self.stage_comm + sum(s.seconds for s in self.syncs.values())
+                + (self.gathers.seconds if self.gathers else 0.0))
+
+
+def rank_costs(tasks: list[Task], foot: Footprint) -> RankCosts:
+    """One rank's :class:`RankCosts` from its tasks (:mod:`torchweave.sim.tasks`)."""
+    out = RankCosts(activations=dict(foot.stage_activations), boundary=dict(foot.boundary),
+                    extra_activations=foot.activations - sum(foot.stage_activations.values()))
+    made_in: dict[str, set[int]] = defaultdict(set)  # gradient signal -> stages producing it
+    for i, t in enumerate(tasks):
+        if t.stage >= 0:
+            for g in t.sets:
+                made_in[g].add(t.stage)
+            if t.kind != LOCAL:
+                side = out.fwd if i < foot.n_fwd else out.bwd
+                side[t.stage] = side.get(t.stage, 0.0) + t.dur
+    for t in tasks:
+        if t.kind == COMM and t.stage >= 0:
+            out.stage_comm += t.dur
+        if t.stage != -1 or t.kind not in (COMPUTE, COMM):
+            continue
+        kind = t.key[0] if t.kind == COMM and t.key else None
+        one = Sums(1, t.nbytes, t.dur, tuple(t.key[-1]) if kind in ("g", "zp") else ())
+        if kind == "g":
+            stages = frozenset().union(*(made_in[w] for w in t.waits)) if t.waits else frozenset()
+            out.syncs[stages] = out.syncs[stages] + one if stages in out.syncs else one
+        elif kind == "zp":
+            out.gathers = out.gathers + one if out.gathers else one
+        else:
+            out.rest += t.dur
+            if t.kind == COMM:
+                out.stage_comm += t.dur
+    return out
+
+
+def stage_costs(plan: Plan, costs: dict[int, RankCosts], recycled: int = 0) -> list[StageCost]:
+    """One :class:`StageCost` per stage: the slowest rank of the stage's group (of the ranks
+    in ``costs``); the last stage sends ``recycled`` bytes per step back to stage 0 after
+    each no-gradient pass."""
     pipe = plan.pipeline
     m = pipe.micro_batches
+
+    def ranks(s: int) -> list[RankCosts]:
+        return [costs[r] for r in pipe.devices_of_stage(s) if r in costs]
+
     out = []
     for s in range(pipe.stages):
-        group = pipe.devices_of_stage(s)
-        fwd = bwd = 0.0
-        act = inp = 0.0
-        for r in group:
-            f = feet[r]
-            mine = [(i < f.n_fwd, t) for i, t in enumerate(tasks[r]) if t.stage == s and t.kind != LOCAL]
-            fwd = max(fwd, sum(t.dur for is_fwd, t in mine if is_fwd))
-            bwd = max(bwd, sum(t.dur for is_fwd, t in mine if not is_fwd))
-            act = max(act, f.stage_activations.get(s, 0))
-            inp = max(inp, f.boundary.get(s, 0.0))
+        mine = ranks(s)
+        fwd = max((c.fwd.get(s, 0.0) for c in mine), default=0.0)
+        bwd = max((c.bwd.get(s, 0.0) for c in mine), default=0.0)
+        act = max((c.activations.get(s, 0) for c in mine), default=0)
+        inp = max((c.boundary.get(s, 0.0) for c in mine), default=0.0)
         nxt = 0.0
         if s + 1 < pipe.stages:
-            nxt = max(feet[r].boundary.get(s + 1, 0.0) for r in pipe.devices_of_stage(s + 1))
+            nxt = max((c.boundary.get(s + 1, 0.0) for c in ranks(s + 1)), default=0.0)
         out.append(StageCost(fwd=fwd / m, bwd=bwd / m, activations=int(act / m),
                              inputs=int(inp / m), boundary=int(nxt / m),
                              recycled=int(recycled / m) if s == pipe.stages - 1 else 0))
     return out
 
 
-def run_pipeline(plan: Plan, cluster: Cluster, tasks: dict[int, list[Task]],
-                 feet: dict[int, Footprint], recycled: int = 0
-                 ) -> tuple[PipelineStep, dict[int, float], dict[int, float], dict[int, float]]:
-    """The schedule's step; per rank the seconds of the tasks of no stage (gradient sync,
-    optimizer), when the rank's step ends (:func:`finish_times`), and the communication
-    seconds of the whole step."""
+def run_pipeline(plan: Plan, cluster: Cluster, costs: dict[int, RankCosts], recycled: int = 0
+                 ) -> tuple[PipelineStep, dict[int, float]]:
+    """The schedule's step, and per rank of ``costs`` when its step ends (:func:`finish_times`)."""
     pipe = plan.pipeline
-    costs = stage_costs(plan, tasks, feet, recycled)
     a = pipe.groups[0][0]
     b = pipe.groups[1][0] if len(pipe.groups) > 1 else a
 
     def transfer(nbytes: int) -> float:
         return collective_time(cluster, Collective.P2P, nbytes, (a, b)).seconds if a != b else 0.0
 
-    step = simulate_schedule(pipe.schedule, costs, transfer=transfer)
-    tail: dict[int, float] = defaultdict(float)
-    comm: dict[int, float] = defaultdict(float)
-    for r, ts in tasks.items():
-        for t in ts:
-            if t.stage == -1 and t.kind in (COMPUTE, COMM):
-                tail[r] += t.dur
-            if t.kind == COMM and t.stage != -2:
-                comm[r] += t.dur
-    finish = finish_times(plan, step, tasks, overlap=cluster.device.comm_overlaps_compute)
-    return step, dict(tail), finish, dict(comm)
+    step = simulate_schedule(pipe.schedule, stage_costs(plan, costs, recycled), transfer=transfer)
+    finish = finish_times(plan, step, costs, overlap=cluster.device.comm_overlaps_compute)
+    return step, finish
 
 
-def finish_times(plan: Plan, step: PipelineStep, tasks: dict[int, list[Task]], *,
+def finish_times(plan: Plan, step: PipelineStep, costs: dict[int, RankCosts], *,
                  overlap: bool = True) -> dict[int, float]:
     """Per rank, when its step ends: its gradient sums from the moment their stages are
     done, then the optimizer and the rest of no stage after the sums and the schedule."""
@@ -104,27 +181,19 @@ def finish_times(plan: Plan, step: PipelineStep, tasks: dict[int, list[Task]], *
         ends[q] = max(ends[q], t1)
         if a.kind in (Kind.B, Kind.W):
             last[(q, a.stage)] = max(last.get((q, a.stage), 0.0), t1)
+    group_of = {d: k for k, g in enumerate(pipe.groups) for d in g}
     out: dict[int, float] = {}
-    for r, ts in tasks.items():
-        q = pipe.rank_of_device(r)
-        made_in: dict[str, set[int]] = defaultdict(set)  # gradient signal -> stages producing it
-        for t in ts:
-            if t.stage >= 0:
-                for g in t.sets:
-                    made_in[g].add(t.stage)
-        syncs = [t for t in ts if t.stage == -1 and t.kind == COMM and t.key and t.key[0] == "g"]
+    for r, c in costs.items():
+        q = group_of[r]
         ready = []
-        for t in syncs:
-            stages = set().union(*(made_in[w] for w in t.waits)) if t.waits else set()
+        for stages, sums in c.syncs.items():
             early = overlap and plan.zero == 0 and stages and all((q, s) in last for s in stages)
-            ready.append(max(last[(q, s)] for s in stages) if early else ends[q])
+            ready.append((max(last[(q, s)] for s in stages) if early else ends[q], sums.seconds))
         clock = 0.0
-        for t0, t in sorted(zip(ready, syncs), key=lambda x: x[0]):
-            clock = max(clock, t0) + t.dur
-        mine = {id(t) for t in syncs}
-        rest = sum(t.dur for t in ts if t.stage == -1 and t.kind in (COMPUTE, COMM) and id(t) not in mine)
-        out[r] = max(clock, ends[q]) + rest
+        for t0, dur in sorted(ready, key=lambda x: x[0]):
+            clock = max(clock, t0) + dur
+        out[r] = max(clock, ends[q]) + c.after
     return out
 
 
-__all__ = ["finish_times", "run_pipeline", "stage_costs"]
+__all__ = ["RankCosts", "Sums", "finish_times", "rank_costs", "run_pipeline", "stage_costs"]

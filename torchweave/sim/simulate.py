@@ -185,7 +185,20 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
             else "at least 1",
             fix=f"give the plan its micro-batches (e.g. '{plan.pipeline.kind}:micro={grad_accum}')"
             if plan.pipeline is not None else "use 1 for no accumulation"))
-    if plan.pipeline is not None:  # stages differ by construction: no folding, no replicas
+    if plan.pipeline is not None and programs is None and fold is not False and (
+            fold or len(graph.nodes) >= FOLD_NODES or plan.world_size >= SYMMETRY_RANKS):
+        from torchweave.sim.stagefold import find_stage_shape, simulate_stagefold
+
+        shape = find_stage_shape(graph, plan, symmetry=symmetry is not False)
+        if shape is not None:
+            res = simulate_stagefold(
+                graph, plan, cluster, shape, dtype=dtype,
+                tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
+                model=model or ComputeModel.for_device(cluster.device), bucket_bytes=bucket_bytes,
+                strict=strict, timeline=timeline, profiles=profiles)
+            if res is not None:
+                return res
+    if plan.pipeline is not None:  # the exact path: every rank lowered and simulated
         fold, symmetry = False, False
     if programs is None and fold is not False:
         from torchweave.sim.fold import find_blocks
@@ -240,9 +253,9 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
 def _memory(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tuple[MemoryUse, ...]:
     precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     out = []
-    for r in ranks:
+    for i, r in enumerate(ranks):
         f = feet[r]
-        dp = _zero_group(plan, programs[ranks.index(r)], r)
+        dp = _zero_group(plan, programs[i], r)
         state = model_state_memory(f.params, dp=dp, stage=plan.zero, precision=precision)
         grads, opt, temps = state.grads, state.optimizer, f.temporaries
         if plan.zero in (1, 2) and dp > 1:
@@ -262,37 +275,58 @@ def _memory(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tuple
 def _pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, model, strict,
                tokens_per_step, timeline) -> SimResult:
     """A pipelined plan: per-stage costs, the schedule, then sync and optimizer."""
-    from torchweave.sim.pipelined import run_pipeline
+    from torchweave.sim.pipelined import rank_costs, run_pipeline
 
-    pipe = plan.pipeline
-    recycled = 0
-    if pipe.recycle is not None:
-        from torchweave.plan.recycle import resolve_links
-
-        recycled = sum(graph.values[link.output].meta.nbytes
-                       for link in resolve_links(graph, pipe.recycle)[0])
-    step, tail, finish, comm = run_pipeline(plan, cluster, tasks, feet, recycled)
+    costs = {r: rank_costs(tasks[r], feet[r]) for r in sorted(tasks)}
+    step, finish = run_pipeline(plan, cluster, costs, recycled_bytes(graph, plan))
     ranks = sorted(tasks)
-    k = {r: pipe.rank_of_device(r) for r in ranks}
+    memory = _memory(plan, programs, feet, ranks, dtype, pipeline_activations(plan, step, costs))
+    return pipelined_result(plan, cluster, step, finish, costs, memory, ranks,
+                            flops=sum(c.model_flops for c in builder.costs.values()),
+                            tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
+                            dtype=dtype, model=model, strict=strict, timeline=timeline)
+
+
+def recycled_bytes(graph: Graph, plan: Plan) -> int:
+    """Multi-forward: bytes the last stage sends back to stage 0 after each pass."""
+    if plan.pipeline.recycle is None:
+        return 0
+    from torchweave.plan.recycle import resolve_links
+
+    return sum(graph.values[link.output].meta.nbytes
+               for link in resolve_links(graph, plan.pipeline.recycle)[0])
+
+
+def pipeline_activations(plan: Plan, step, costs) -> dict[int, int]:
+    """Per rank of ``costs``: the schedule's activation peak plus its activations of no stage."""
+    pipe = plan.pipeline
+    group_of = {d: k for k, g in enumerate(pipe.groups) for d in g}
+    return {r: step.activation_peak[group_of[r]] + max(0, c.extra_activations) // pipe.micro_batches
+            for r, c in costs.items()}
+
+
+def pipelined_result(plan: Plan, cluster: Cluster, step, finish, costs, memory, ranks, *,
+                     flops: float, tokens: int, dtype, model, strict: bool, timeline: bool,
+                     notes: tuple[str, ...] = (), folded_blocks: int | None = None,
+                     shown=None) -> SimResult:
+    """The :class:`SimResult` of a pipelined step: ``costs``, ``finish`` and ``memory`` for
+    each of ``ranks`` (in that order); the timeline has the devices in ``shown`` (default: all)."""
+    pipe = plan.pipeline
+    group_of = {d: k for k, g in enumerate(pipe.groups) for d in g}
     total = max([step.step_time, *finish.values()])
-    extra = {r: feet[r].activations - sum(feet[r].stage_activations.values()) for r in ranks}
-    acts = {r: step.activation_peak[k[r]] + max(0, extra[r]) // pipe.micro_batches for r in ranks}
     # The timeline: each pipeline rank's actions on every device of its group.
     events = [Event(d, "compute", str(a), t0, t1) for k_, t0, t1, a in step.events
-              for d in pipe.groups[k_]] if timeline else []
+              for d in pipe.groups[k_] if shown is None or d in shown] if timeline else []
     passes = f", {pipe.passes} forward passes each" if pipe.passes > 1 else ""
     notes = (f"{pipe.kind} schedule, {pipe.stages} stages, {pipe.micro_batches} micro-batches{passes}: "
              f"bubble {step.bubble_fraction:.1%}, micro-batches in flight per pipeline rank "
-             f"{[step.in_flight[i] for i in sorted(step.in_flight)]}",)
+             f"{[step.in_flight[i] for i in sorted(step.in_flight)]}",) + notes
     return assemble(
         plan, cluster, step=total,
-        compute=tuple(step.busy[k[r]] + tail.get(r, 0.0) for r in ranks),
-        comm=tuple(comm.get(r, 0.0) for r in ranks),
-        memory=_memory(plan, programs, feet, ranks, dtype, acts),
-        flops=sum(c.model_flops for c in builder.costs.values()),
-        tokens=tokens_per_step if tokens_per_step is not None else _tokens(graph),
+        compute=tuple(step.busy[group_of[r]] + costs[r].tail for r in ranks),
+        comm=tuple(costs[r].comm for r in ranks), memory=memory, flops=flops, tokens=tokens,
         dtype=dtype, model=model, strict=strict, events=events, notes=notes,
-        bubble=step.bubble_fraction)
+        bubble=step.bubble_fraction, folded_blocks=folded_blocks)
 
 
 def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float, ...],
@@ -302,9 +336,11 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
              bubble: float | None = None, replicas: Replicas | None = None,
              folded_blocks: int | None = None) -> SimResult:
     """The :class:`SimResult` of per-rank busy times and memory: OOM, MFU, throughput, $."""
+    tops: dict[int, tuple] = {}  # ranks that share a MemoryUse (a fast path's) share its ranking
     oom = tuple(
         OutOfMemory(rank=r, device=cluster.device.name, peak=m.peak,
-                    capacity=cluster.device.memory_bytes, contributors=tuple(m.contributors()))
+                    capacity=cluster.device.memory_bytes,
+                    contributors=tops.setdefault(id(m), tuple(m.contributors())))
         for r, m in enumerate(memory) if m.peak > cluster.device.memory_bytes)
     if strict and oom:
         raise SimError([Problem(obj=f"rank {o.rank} on {o.device}",

@@ -74,6 +74,13 @@ class Footprint:
     buffers: int = 0
     activations: int = 0
     temporaries: int = 0
+    """The largest of what ``held`` counts and the gradient buckets."""
+    held: int = 0
+    """Forward's temporaries: twice the largest activation, two ZeRO-3 units."""
+    bucket: int = 0
+    """The largest gradient bucket."""
+    grad_order: list[tuple[str, tuple[int, ...], float]] = field(default_factory=list)
+    """(parameter, group, bytes) in the order backward reaches each gradient sum."""
 
 
 @dataclass
@@ -89,6 +96,9 @@ class Builder:
     meet: frozenset[int] | None = None
     """The ranks simulated, when only one data-parallel replica is (``sim/symmetry.py``):
     a collective meets among these members of its group; None: every rank."""
+    resized: bool = False
+    """The Programs are a reduced plan's (fewer data-parallel replicas): local slices and
+    point-to-point receives are sized by ``plan``'s pieces instead (``meet`` implies it)."""
     costs: dict[str, NodeCost] = field(default_factory=dict)
     saves: dict[str, Saves] = field(default_factory=dict)
     _comm_cache: dict = field(default_factory=dict)
@@ -235,6 +245,7 @@ class Builder:
         for base, st in kept_stage.items():
             foot.stage_activations[st] = foot.stage_activations.get(st, 0) + int(kept[base])
         foot.n_fwd = len(fwd)
+        foot.held = foot.temporaries
         from torchweave.sim.backward import backward_tasks
 
         tasks = fwd + backward_tasks(self, prog, params, first_reader, refs_of, nbytes, foot,
@@ -289,12 +300,14 @@ class Builder:
             box = dict(step.boxes).get(r)
             nbytes[ins.dst] = (math.prod(hi - lo for lo, hi in box) * self.itemsize(ins.value)
                                if box else b)
-            if self.meet is not None:  # boxes are the reduced plan's: size it by the full plan
+            if self.meet is not None or self.resized:  # the reduced plan's box: size it by ``plan``
                 nbytes[ins.dst] = self._need_bytes(ins.consumer, ins.value, nbytes[ins.dst])
             return Task(LOCAL, name, waits, sets)
         if isinstance(step, steps.P2P):
             shape = dict(step.shapes).get(r)
             nbytes[ins.dst] = math.prod(shape) * self.itemsize(ins.value) if shape is not None else b
+            if self.resized:
+                nbytes[ins.dst] = self._need_bytes(ins.consumer, ins.value, nbytes[ins.dst])
             return Task(COMM, name, waits, sets, self._p2p(step.transfers, r, ins.value))
         grp = _mine(step.groups, r)
         p = len(grp)

@@ -19,6 +19,8 @@ from torchweave.plan.schedules.actions import (
     to_csv,
 )
 from torchweave.plan.schedules.builtin import (
+    BUILTIN,
+    builtin,
     check_stage_count,
     gpipe,
     interleaved_1f1b,
@@ -29,6 +31,7 @@ from torchweave.plan.schedules.check import bubble_fraction, dry_run, peak_in_fl
 from torchweave.plan.schedules.comm import add_communication
 
 __all__ = [
+    "BUILTIN",
     "Action",
     "Kind",
     "Schedule",
@@ -36,6 +39,7 @@ __all__ = [
     "StageToRank",
     "add_communication",
     "bubble_fraction",
+    "builtin",
     "check_stage_count",
     "dry_run",
     "format_schedule",

@@ -156,3 +156,23 @@ def zero_bubble_h1(stages: int, micro: int) -> Schedule:
             schedule[s].append(pick)
         t += 1
     return schedule
+
+
+BUILTIN = ("gpipe", "1f1b", "interleaved", "zb")
+"""The built-in schedule kinds, by the name plan strings use."""
+
+
+def builtin(kind: str, ranks: int, virtual: int, micro: int) -> Schedule:
+    """The built-in schedule ``kind`` over ``ranks`` pipeline ranks (``virtual`` stages each:
+    interleaved only), ``micro`` micro-batches."""
+    if kind == "gpipe":
+        return gpipe(ranks, micro)
+    if kind == "1f1b":
+        return one_f_one_b(ranks, micro)
+    if kind == "zb":
+        return zero_bubble_h1(ranks, micro)
+    if kind == "interleaved":
+        return interleaved_1f1b(ranks, virtual, micro)
+    raise ScheduleError(Problem(obj="pipeline schedule", value=repr(kind),
+                                rule=f"one of {', '.join(BUILTIN)}"))
+
