@@ -189,6 +189,20 @@ def test_out_of_memory_says_whether_the_leanest_plan_fits_and_by_how_much(tmp_pa
     assert "GiB over its" in out
 
 
+def test_an_out_of_memory_plan_whose_batch_zero3_cannot_split_still_lets_the_next_plan_run(
+        tmp_path, capsys) -> None:
+    """gpt-tiny's batch of 4 does not divide over 8 ranks, so whether the model fits as
+    zero3 on all 8 is not known: the report says so, and the next plan is simulated."""
+    small = tmp_path / "small.yaml"
+    small.write_text("name: eight\ndevice:\n  base: A100-80GB-SXM\n  name: small-64KiB\n"
+                     "  memory_bytes: 65536\nnodes: 1\ndevices_per_node: 8\n")
+    assert main(["simulate", "gpt-tiny", "--cluster", str(small), "--plan", "1f1b:pp=4,micro=2",
+                 "--plan", "gpipe:pp=4,micro=2"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "is not known: input idx: batch 4; rule:" in out and "4 % 8 != 0" in out, out
+    assert "gpipe on" in out and "fastest first" in out, out
+
+
 def test_simulate_accumulates_the_example_batch_in_micro_batches(capsys) -> None:
     """The example batch (4 for gpt-tiny) is the global batch: --grad-accum 2 simulates two
     micro-batches of 2, the same tokens in a longer step; 3 does not divide it."""

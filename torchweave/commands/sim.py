@@ -215,14 +215,20 @@ def _leanest(setup: Setup) -> str:
 
     n = setup.plan.world_size
     try:
-        lean = resolve(LEANEST, setup.graph, n)
-    except TorchweaveError as e:  # a model without numbered blocks has nothing to recompute
-        lean = resolve("zero3", setup.graph, n)
-        note = f" (no full recompute: {str(e).splitlines()[0]})"
-    else:
-        note = ""
-    r = simulate(setup.graph, lean, setup.cluster, dtype=setup.dtype, timeline=False,
-                 grad_accum=setup.grad_accum)
+        try:
+            lean = resolve(LEANEST, setup.graph, n)
+        except TorchweaveError as e:  # a model without numbered blocks has nothing to recompute
+            lean = resolve("zero3", setup.graph, n)
+            note = f" (no full recompute: {str(e).splitlines()[0]})"
+        else:
+            note = ""
+        r = simulate(setup.graph, lean, setup.cluster, dtype=setup.dtype, timeline=False,
+                     grad_accum=setup.grad_accum)
+    except TorchweaveError as e:  # e.g. a batch that does not divide over all the ranks
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        lines = lines[1:] if lines and lines[0].endswith("problems:") else lines
+        return (f"whether it fits at all (as {LEANEST} on {n} ranks) is not known: "
+                + "; ".join(lines[:3]))
     peak, cap = max(r.peak_memory), setup.cluster.device.memory_bytes
     if peak > cap:
         return (f"the model does not fit {n} x {setup.cluster.device.name} even as "
