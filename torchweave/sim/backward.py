@@ -9,11 +9,13 @@ reader is issued; AdamW after every sync, ZeRO-1/2 gathering the updated shards.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from torchweave.lower import steps
 from torchweave.lower.program import Comm, Compute, Program
 from torchweave.sim.comm import Collective
 from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
+from torchweave.sim.accum import GRAD_SYNC, OPTIMIZER
 from torchweave.sim.profile import optimizer_key
 from torchweave.sim.tasks import Builder, Footprint, _mine
 
@@ -23,49 +25,51 @@ _DUAL = {  # forward step → collective its backward runs (None: local)
 }
 
 
+REACH = "reach"
+"""A marker in a rank's backward (not run by the engine): the gradient of parameter
+``name`` may now sum over ``group`` (``nbytes`` local bytes; ``key`` is ``("unit", closes)`` for a ZeRO-3 unit's
+parameter, ``closes`` saying whether it completes the unit). :func:`place_syncs` replaces the markers with the
+bucketed sums; :mod:`torchweave.sim.folded` copies them with the blocks first."""
+
+
+@dataclass
+class SyncInputs:
+    """What :func:`place_syncs` needs of one rank besides its tasks."""
+
+    params: dict
+    """Local name → ``ParamSlice`` of the parameters that take a gradient."""
+    nbytes: dict[str, float]
+    """Local bytes of each of them."""
+
+
 def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, nbytes,
                    foot: Footprint, unit_of: dict[str, int], members: dict[int, list[str]]
                    ) -> list[Task]:
-    """``unit_of``/``members``: ZeRO-3 units (:mod:`torchweave.sim.units`): gathered again on
+    """The backward of ``prog`` with :data:`REACH` markers where gradients may sum.
+
+    ``unit_of``/``members``: ZeRO-3 units (:mod:`torchweave.sim.units`): gathered again on
     first use in backward, their gradients reduce-scattered once all exist."""
-    r, zero, out = prog.rank, self.plan.zero, []
+    r, out = prog.rank, []
     left = {u: len(ps) for u, ps in members.items()}
     kept = foot.gathered[-1] if foot.gathered else None  # forward ends with it gathered
-    # ZeRO-1/2 reduce every owned gradient in one collective after backward
-    # (runtime/zero.py ``finish_grads``); ZeRO-3 by unit; plain data parallel in buckets.
-    buckets = Buckets(math.inf if zero in (1, 2) else self.bucket_bytes)
-    count: dict[tuple, int] = {}
-    synced: list[str] = []
     gathered: set[str] = set()
 
-    def flush(grp: tuple, names: list[str], size: float) -> None:
-        coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
-        n = count[grp] = count.get(grp, 0) + 1
-        foot.temporaries = max(foot.temporaries, int(size))
-        foot.bucket = max(foot.bucket, int(size))
-        tag = f"grad sync {n}"
-        out.append(Task(COMM, f"{coll.value} grads #{n} ({len(names)} params)",
-                        tuple("g:" + p for p in names), (tag,), self.comm(coll, size, grp),
-                        ("g", n, grp), self._meet(grp), nbytes=int(size)))
-        synced.append(tag)
-
-    def reached(p: str, idx: int) -> None:
+    def reached(p: str, idx: int, block: int) -> None:
         """The backward of ``p``'s first reader is issued: its gradient may sync."""
         if first_reader.get(p) != idx:
             return
         for grp in params[p].grad_groups:
             grp = _mine((grp,), r)
-            foot.grad_order.append((p, grp, nbytes[p]))
-            closes = None
+            key = None
             if p in unit_of:
                 left[unit_of[p]] -= 1
-                closes = not left[unit_of[p]]
-            for done in buckets.add(p, grp, nbytes[p], closes=closes):
-                flush(*done)
+                key = ("unit", not left[unit_of[p]])
+            out.append(Task(REACH, p, key=key, group=grp,
+                            nbytes=nbytes[p], block=block))
 
     for idx in range(len(prog.instrs) - 1, -1, -1):
         ins = prog.instrs[idx]
-        stage = self._stage(ins)
+        stage, block = self._stage(ins), self._block(ins)
         if isinstance(ins, Compute):
             cost = self.costs[ins.node]
             refs = refs_of[idx]
@@ -80,23 +84,59 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
                     out.append(Task(COMM, f"all_gather unit {u} bwd", (),
                                     tuple("zb:" + q for q in members[u]),
                                     self.comm(Collective.ALL_GATHER, size, grp),
-                                    ("zb", u, grp), self._meet(grp), stage))
+                                    ("zb", u, grp), self._meet(grp), stage, block=block))
             if not cost.grad:
                 continue
             waits = tuple("g:" + o for o in ins.outputs) + tuple(
                 "zb:" + p for p in refs if p in gathered and unit_of.get(p) != kept)
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
-                            tuple("g:" + a for a in refs), cost.bwd, stage=stage))
+                            tuple("g:" + a for a in refs), cost.bwd, stage=stage, block=block))
             for p in refs:
-                reached(p, idx)
+                reached(p, idx, block)
         elif isinstance(ins, Comm):
             out.append(_comm_bwd(self, ins, r, nbytes))
-            out[-1].stage = stage
-            reached(ins.src, idx)
+            out[-1].stage, out[-1].block = stage, block
+            reached(ins.src, idx, block)
+    return out
+
+
+def place_syncs(self: Builder, tasks: list[Task], foot: Footprint, inputs: SyncInputs,
+                rank: int) -> list[Task]:
+    """``tasks`` with every :data:`REACH` marker replaced by the gradient sums it closes,
+    then AdamW after all of them and, for ZeRO-1/2, the gather of the updated shards.
+
+    ZeRO-1/2 reduce every owned gradient in one collective after backward
+    (runtime/zero.py ``finish_grads``); ZeRO-3 by unit; plain data parallel in buckets."""
+    zero, params = self.plan.zero, inputs.params
+    buckets = Buckets(math.inf if zero in (1, 2) else self.bucket_bytes)
+    count: dict[tuple, int] = {}
+    synced: list[str] = []
+    out: list[Task] = []
+
+    def flush(grp: tuple, names: list[str], size: float) -> None:
+        coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
+        n = count[grp] = count.get(grp, 0) + 1
+        foot.temporaries = max(foot.temporaries, int(size))
+        foot.bucket = max(foot.bucket, int(size))
+        tag = f"grad sync {n}"
+        out.append(Task(COMM, f"{coll.value} grads #{n} ({len(names)} params)",
+                        tuple("g:" + p for p in names), (tag,), self.comm(coll, size, grp),
+                        (GRAD_SYNC, n, grp), self._meet(grp), nbytes=int(size)))
+        synced.append(tag)
+
+    for t in tasks:
+        if t.kind != REACH:
+            out.append(t)
+            continue
+        foot.grad_order.append((t.name, t.group, t.nbytes))
+        closes = t.key[1] if t.key is not None else None
+        for done in buckets.add(t.name, t.group, t.nbytes, closes=closes):
+            flush(*done)
     for done in buckets.drain():
         flush(*done)
-    local = sum(nbytes[p] for p in params)
-    dp = max((len(_mine(s.grad_groups, r)) for s in params.values() if s.grad_groups), default=1)
+    local = sum(inputs.nbytes[p] for p in params)
+    dp = max((len(_mine(s.grad_groups, rank)) for s in params.values() if s.grad_groups),
+             default=1)
     shard = local / dp if zero >= 1 else local
     bw = self.cluster.device.memory_bandwidth * self.model.bandwidth
     t_opt = 7 * shard / bw
@@ -105,13 +145,14 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
         numels = [sum(each) // dp] if zero >= 1 else each
         t_opt = self.profiles.lookup(optimizer_key(numels)) or (t_opt,)
         t_opt = t_opt[0]
-    out.append(Task(COMPUTE, "optimizer (AdamW)", tuple(synced), ("opt",), t_opt))
+    out.append(Task(COMPUTE, "optimizer (AdamW)", tuple(synced), (OPTIMIZER,), t_opt))
     if 1 <= zero <= 2 and dp > 1:
-        grp = next(_mine(s.grad_groups, r) for s in params.values() if s.grad_groups)
-        out.append(Task(COMM, "all_gather params", ("opt",), (),
+        grp = next(_mine(s.grad_groups, rank) for s in params.values() if s.grad_groups)
+        out.append(Task(COMM, "all_gather params", (OPTIMIZER,), (),
                         self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), self._meet(grp),
                         nbytes=int(local)))
     return out
+
 
 class Buckets:
     """Gradients summed together, DDP-style: per group, a bucket fills in the order

@@ -45,6 +45,9 @@ class Task:
     nbytes: int = 0
     """A gradient sum or parameter gather after the backward: the bytes it moves (read by
     :mod:`torchweave.sim.stagefold` to cost it at another size), not by the engine."""
+    block: int = -1
+    """Which of the model's repeated blocks the task belongs to (-1: none, or not
+    asked); read by :mod:`torchweave.sim.folded`, not by the engine."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,21 +1,13 @@
-"""Repeated layers: simulate a model with 3 and 4 of its ``L`` identical blocks, extrapolate to ``L``.
+"""Repeated layers: find a model's ``L`` identical blocks and cut the graph to its first ``k``.
 
 A transformer is a prefix (embeddings), ``L`` blocks that are the same ops on
 the same shapes with the same plan decisions, and a suffix (final norm, head,
-loss). Every block adds the same forward, backward, communication and memory,
-so a step's time, busy times and memory are affine in the number of blocks.
-The simulator therefore cuts the graph down to its first ``k`` blocks
-(:func:`cut`: the suffix reads block ``k-1``'s outputs where it read block
-``L-1``'s), simulates ``k = 3`` and ``k = 4`` and takes
-``x(L) = x(4) + (L - 4) · (x(4) - x(3))``. Not 1 and 2: the first blocks'
-backward overlaps the gradient sync and the optimizer differently (measured:
-the step of a tp×dp GPT grows by 14% more from 2 to 3 blocks than from 3
-onwards), so the increment is taken where it has settled. The
-tests compare against simulating every block.
-
-What is approximate: where gradient buckets close (25 MiB buckets need not
-align with blocks) and the overlap at the two ends of the step are taken from
-the 4-block model. The timeline is the 4-block model's.
+loss). The simulator lowers the model cut to 4 blocks (:func:`cut`: the suffix
+reads block ``k-1``'s outputs where it read block ``L-1``'s) and copies block
+2's tasks to make ``L`` (:mod:`torchweave.sim.folded`); the 3-block cut gives
+each block's memory, which is affine in the block count
+(:func:`extrapolate`). Not blocks 0 and 1: block 0 reads the prefix, and the
+copies need a block that reads one like itself.
 
 Blocks are found by module path: a run of nodes under ``<prefix>.<i>.`` for
 ``i = 0 … L-1`` (``blocks.3.attn.q_proj``). They are *identical* when, node by

@@ -1,54 +1,169 @@
-"""One step of a model with ``L`` identical blocks, from simulations of 3 and 4 (:mod:`torchweave.sim.fold`)."""
+"""One step of a model with ``L`` identical blocks, from 4 of them lowered (:mod:`torchweave.sim.fold`).
+
+Lowering is what costs (every node on every simulated rank); the event engine
+is cheap. So the model is cut to 4 blocks (:func:`~torchweave.sim.fold.cut`),
+lowered, and each rank's forward and backward tasks (:meth:`Builder.unsynced`)
+are **copied** to ``L`` blocks: block 2's tasks are repeated ``L − 4`` times
+between blocks 2 and 3, each copy's values renamed (``name~c``), its reads of the
+block before pointed at the previous copy, its collectives keyed apart, and
+block 3 reads the last copy. Tasks correspond position by position because the
+blocks are the same ops, shapes and plan decisions (``find_blocks``); where the
+task lists do not say so (different lengths, kinds, durations or names that do
+not map one to one), the copy is refused and the exact path runs.
+
+Gradient sums are then placed on the full task list by the same rule as
+always (:func:`~torchweave.sim.backward.place_syncs`): buckets fill and close
+where they would on the whole model, each costed at its own size, and the
+engine runs the ``L``-block lists, overlap included. Nothing is extrapolated
+in time. Memory is: parameters, buffers and activations are affine in the block
+count (``x(L) = x(4) + (L − 4)(x(4) − x(3))``, from the 3-block model's
+footprint), the temporaries are the forward's (which do not grow with blocks)
+or the largest bucket of the full list.
+"""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import replace
 
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
+from torchweave.sim.backward import REACH, SyncInputs, place_syncs
 from torchweave.sim.cluster import Cluster
 from torchweave.sim.cost import ComputeModel
+from torchweave.sim.engine import Task
 from torchweave.sim.fold import Blocks, cut, extrapolate
-from torchweave.sim.simulate import MemoryUse, SimResult, assemble, simulate
+from torchweave.sim.simulate import SimResult, lower_programs, run_step
+from torchweave.sim.tasks import Builder, Footprint
 
 
 def simulate_folded(graph: Graph, plan: Plan, cluster: Cluster, blocks: Blocks, *, dtype,
                     tokens_per_step: int | None, model: ComputeModel | None, bucket_bytes: int,
                     strict: bool, timeline: bool, symmetry: bool | None,
-                    profiles=None, grad_accum: int = 1) -> SimResult:
+                    profiles=None, grad_accum: int = 1) -> SimResult | None:
+    """None: the tasks do not copy block by block (the caller runs the exact path)."""
     n = len(blocks)
-    runs = []
+    model = model or ComputeModel.for_device(cluster.device)
+    built = {}
     for k in (3, 4):
         g, p = cut(graph, plan, blocks, k)
-        runs.append(simulate(g, p, cluster, dtype=dtype, tokens_per_step=tokens_per_step,
-                             model=model, bucket_bytes=bucket_bytes, timeline=timeline and k == 4,
-                             symmetry=symmetry, fold=False, profiles=profiles,
-                             grad_accum=grad_accum))
-    two, three = runs  # 3 and 4 blocks
-
-    def ex(a: float, b: float) -> float:
-        return max(0.0, extrapolate(a, b, n))
-
-    def temporaries(a: int, b: int) -> int:
-        """The largest bucket grows with the blocks until it holds ``bucket_bytes`` (plus
-        one block's worth at most); twice the largest activation does not grow."""
-        return round(min(ex(a, b), max(b, bucket_bytes + max(0, b - a))))
-
-    memory = tuple(
-        MemoryUse(**{f.name: (temporaries(getattr(a, f.name), getattr(b, f.name))
-                              if f.name == "temporaries"
-                              else round(ex(getattr(a, f.name), getattr(b, f.name))))
-                     for f in fields(MemoryUse)})
-        for a, b in zip(two.memory, three.memory))
-    notes = (f"{n} identical '{blocks.prefix}' blocks: simulated with 3 and 4, extrapolated "
-             f"(timeline: 4 blocks)",) + three.notes
-    return assemble(
-        plan, cluster, step=ex(two.step_time, three.step_time),
-        compute=tuple(ex(a, b) for a, b in zip(two.compute_time, three.compute_time)),
-        comm=tuple(ex(a, b) for a, b in zip(two.comm_time, three.comm_time)),
-        memory=memory, flops=ex(two.model_flops, three.model_flops), tokens=three.tokens_per_step,
-        dtype=dtype, model=model or ComputeModel.for_device(cluster.device), strict=strict,
-        events=three.timeline, notes=notes, replicas=three.replicas, folded_blocks=n)
+        programs, rep = lower_programs(g, p, symmetry)
+        block_of = {graph.nodes[q].name: b for b, (s, e) in enumerate(blocks.spans[:k])
+                    for q in range(s, e)}
+        builder = Builder(g, p, cluster, dtype, model, bucket_bytes, profiles=profiles,
+                          meet=frozenset(range(rep.size)) if rep else None, block_of=block_of)
+        built[k] = (programs, rep, builder, {prog.rank: builder.unsynced(prog) for prog in programs})
+    programs, rep, builder, runs4 = built[4]
+    feet3 = {r: foot for r, (_, foot, _) in built[3][3].items()}
+    tasks: dict[int, list[Task]] = {}
+    feet: dict[int, Footprint] = {}
+    for r, (ts, foot, inputs) in runs4.items():
+        lifted = lift(ts, foot.n_fwd, inputs, n)
+        if lifted is None or r not in feet3:
+            return None
+        f3 = feet3[r]
+        feet[r] = replace(foot, params=_ex(f3.params, foot.params, n),
+                          buffers=_ex(f3.buffers, foot.buffers, n),
+                          activations=_ex(f3.activations, foot.activations, n),
+                          temporaries=foot.held, bucket=0, grad_order=[])
+        tasks[r] = place_syncs(builder, lifted[0], feet[r], lifted[1], r)
+    flops3 = sum(c.model_flops for c in built[3][2].costs.values())
+    flops4 = sum(c.model_flops for c in builder.costs.values())
+    return run_step(graph, plan, cluster, tasks, feet, programs, rep, dtype=dtype, model=model,
+                    strict=strict, timeline=timeline, grad_accum=grad_accum,
+                    tokens_per_step=tokens_per_step, flops=extrapolate(flops3, flops4, n),
+                    notes=(f"{n} identical '{blocks.prefix}' blocks: 4 lowered, their tasks "
+                           f"copied to {n}",), folded_blocks=n)
 
 
-__all__ = ["simulate_folded"]
+def _ex(a: int, b: int, n: int) -> int:
+    return max(0, round(extrapolate(a, b, n)))
+
+
+def lift(tasks: list[Task], n_fwd: int, inputs: SyncInputs, total: int
+         ) -> tuple[list[Task], SyncInputs] | None:
+    """One rank's unsynced tasks of the 4-block model as the ``total``-block model's
+    (and its parameters), or None where blocks 1 and 2 do not correspond task by task."""
+    fwd, bwd = tasks[:n_fwd], tasks[n_fwd:]
+    fs, bs = _spans(fwd, (0, 1, 2, 3)), _spans(bwd, (3, 2, 1, 0))
+    if fs is None or bs is None:
+        return None
+    pairs = list(zip(fwd[slice(*fs[1])], fwd[slice(*fs[2])])) + list(
+        zip(bwd[slice(*bs[1])], bwd[slice(*bs[2])]))
+    if fs[1][1] - fs[1][0] != fs[2][1] - fs[2][0] or bs[1][1] - bs[1][0] != bs[2][1] - bs[2][0]:
+        return None
+    shift: dict[str, str] = {}  # a name in block 1's tasks → the same in block 2's
+    for a, b in pairs:
+        if (a.kind, a.dur, a.group, a.nbytes, len(a.waits), len(a.sets)) != (
+                b.kind, b.dur, b.group, b.nbytes, len(b.waits), len(b.sets)) or (
+                (a.key is None) != (b.key is None)):
+            return None
+        for x, y in zip(_names(a), _names(b)):
+            if shift.setdefault(x, y) != y:
+                return None
+    n1 = {x for a, _ in pairs for x in _names(a)}
+    own2 = {y for _, b in pairs for y in _names(b)} - n1
+    copies = total - 4
+
+    def in_copy(c: int):
+        def ren(x: str) -> str:
+            if x in own2:
+                return f"{x}~{c}"
+            y = shift[x] if x in n1 else x
+            if y == x:  # read from outside the blocks
+                return x
+            return y if c == 1 else f"{y}~{c - 1}"
+        return ren
+
+    def last(x: str) -> str:
+        return f"{x}~{copies}" if x in own2 else x
+
+    def copy(t: Task, ren, c: int | None, block: int) -> Task:
+        return replace(t, name=ren(t.name) if t.kind == REACH else t.name,
+                       waits=tuple(map(ren, t.waits)), sets=tuple(map(ren, t.sets)),
+                       key=t.key if c is None or t.key is None or t.kind == REACH
+                       else (*t.key, "block", c), block=block)
+
+    def body(part: list[Task], span: tuple[int, int], c: int) -> list[Task]:
+        return [copy(t, in_copy(c), c, 2 + c) for t in part[slice(*span)]]
+
+    def three(part: list[Task], span: tuple[int, int]) -> list[Task]:
+        return [copy(t, last, None, total - 1) for t in part[slice(*span)]]
+
+    out = fwd[:fs[2][1]]
+    for c in range(1, copies + 1):
+        out += body(fwd, fs[2], c)
+    out += three(fwd, fs[3]) + fwd[fs[3][1]:]
+    out += bwd[:bs[3][0]] + three(bwd, bs[3])
+    for c in range(copies, 0, -1):
+        out += body(bwd, bs[2], c)
+    out += bwd[bs[2][0]:]
+    params, nbytes = dict(inputs.params), dict(inputs.nbytes)
+    for p in [p for p in inputs.params if p in own2]:
+        for c in range(1, copies + 1):
+            params[in_copy(c)(p)], nbytes[in_copy(c)(p)] = inputs.params[p], inputs.nbytes[p]
+    return out, SyncInputs(params, nbytes)
+
+
+def _names(t: Task) -> tuple[str, ...]:
+    return t.waits + t.sets + ((t.name,) if t.kind == REACH else ())
+
+
+def _spans(tasks: list[Task], order: tuple[int, ...]) -> dict[int, tuple[int, int]] | None:
+    """Block → its run ``(start, end)`` in ``tasks``, where the blocks come in ``order``,
+    one run each, with only unblocked tasks before and after; else None."""
+    runs: list[tuple[int, int, int]] = []
+    for i, t in enumerate(tasks):
+        if runs and runs[-1][0] == t.block:
+            runs[-1] = (t.block, runs[-1][1], i + 1)
+        else:
+            runs.append((t.block, i, i + 1))
+    inner = [x for x in runs if x[0] != -1]
+    if [x[0] for x in inner] != list(order):
+        return None
+    first, end = runs.index(inner[0]), runs.index(inner[-1])
+    if any(x[0] == -1 for x in runs[first:end + 1]):
+        return None
+    return {b: (s, e) for b, s, e in inner}
+
+
+__all__ = ["lift", "simulate_folded"]

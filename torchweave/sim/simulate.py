@@ -116,8 +116,8 @@ class SimResult:
     """The replica-symmetry fast path: ``replicas.count`` data-parallel replicas of
     ``replicas.size`` ranks, one lowered and simulated for all (None: every rank simulated)."""
     folded_blocks: int | None = None
-    """The folding fast path: this many identical blocks, extrapolated from simulations of
-    3 and 4 (None: every block simulated)."""
+    """The folding fast path: this many identical blocks, their tasks copied from 4
+    lowered (None: every block lowered)."""
 
     @property
     def bubble(self) -> float:
@@ -164,8 +164,8 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     (:mod:`torchweave.sim.symmetry`); None: when the plan has more than two
     replicas on ``SYMMETRY_RANKS`` ranks or more and no ``programs`` are
     given. Per-rank results are the same for every replica; the timeline has
-    replica 0's ranks only. ``fold``: simulate 3 and 4 of the model's
-    identical blocks and extrapolate (:mod:`torchweave.sim.fold`); None: for
+    replica 0's ranks only. ``fold``: lower 4 of the model's identical blocks
+    and copy their tasks to all (:mod:`torchweave.sim.folded`); None: for
     graphs of ``FOLD_NODES`` nodes or more, when no ``programs`` are given.
     Pipelined plans (``plan.pipeline``) use neither, and are simulated by
     their schedule (:mod:`torchweave.sim.pipelined`). ``profiles``: measured op times
@@ -207,10 +207,12 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         if blocks is not None:
             from torchweave.sim.folded import simulate_folded
 
-            return simulate_folded(graph, plan, cluster, blocks, dtype=dtype,
-                                   tokens_per_step=tokens_per_step, model=model,
-                                   bucket_bytes=bucket_bytes, strict=strict, timeline=timeline,
-                                   symmetry=symmetry, profiles=profiles, grad_accum=grad_accum)
+            res = simulate_folded(graph, plan, cluster, blocks, dtype=dtype,
+                                  tokens_per_step=tokens_per_step, model=model,
+                                  bucket_bytes=bucket_bytes, strict=strict, timeline=timeline,
+                                  symmetry=symmetry, profiles=profiles, grad_accum=grad_accum)
+            if res is not None:
+                return res
     rep = None
     if programs is None:
         programs, rep = lower_programs(graph, plan, symmetry)
@@ -224,6 +226,19 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
         return _pipelined(graph, plan, cluster, programs, builder, tasks, feet, dtype=dtype,
                           model=model, strict=strict, tokens_per_step=tokens_per_step,
                           timeline=timeline)
+    return run_step(graph, plan, cluster, tasks, feet, programs, rep, dtype=dtype, model=model,
+                    strict=strict, timeline=timeline, grad_accum=grad_accum,
+                    tokens_per_step=tokens_per_step,
+                    flops=sum(c.model_flops for c in builder.costs.values()))
+
+
+def run_step(graph: Graph, plan: Plan, cluster: Cluster, tasks, feet, programs, rep, *, dtype,
+             model: ComputeModel, strict: bool, timeline: bool, grad_accum: int,
+             tokens_per_step: int | None, flops: float, notes: tuple[str, ...] = (),
+             folded_blocks: int | None = None) -> SimResult:
+    """Run the engine on the simulated ranks' ``tasks`` (one micro-batch's, accumulated
+    ``grad_accum`` times) and assemble the result for every rank. ``flops``: one
+    micro-batch's."""
     if grad_accum > 1:
         from torchweave.sim.accum import accumulate
 
@@ -238,16 +253,18 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     ranks = sorted(runs)
 
     memory = _memory(plan, programs, feet, ranks, dtype)
-    notes = (f"{rep.count} data-parallel replicas of {rep.size} ranks: one lowered and simulated",
-             ) if rep else ()
+    if rep:
+        notes += (f"{rep.count} data-parallel replicas of {rep.size} ranks: one lowered and "
+                  f"simulated",)
     if grad_accum > 1:
         notes += (f"{grad_accum} micro-batches accumulated per step",)
     return assemble(
         plan, cluster, step=step, compute=tuple(runs[r].compute_busy for r in ranks),
         comm=tuple(runs[r].comm_busy for r in ranks), memory=tuple(memory),
-        flops=grad_accum * sum(c.model_flops for c in builder.costs.values()),
+        flops=grad_accum * flops,
         tokens=tokens_per_step if tokens_per_step is not None else grad_accum * _tokens(graph),
-        dtype=dtype, model=model, strict=strict, events=events, notes=notes, replicas=rep)
+        dtype=dtype, model=model, strict=strict, events=events, notes=notes, replicas=rep,
+        folded_blocks=folded_blocks)
 
 
 def _memory(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tuple[MemoryUse, ...]:

@@ -99,6 +99,9 @@ class Builder:
     resized: bool = False
     """The Programs are a reduced plan's (fewer data-parallel replicas): local slices and
     point-to-point receives are sized by ``plan``'s pieces instead (``meet`` implies it)."""
+    block_of: dict[str, int] = field(default_factory=dict)
+    """Node → the repeated block it is in (``sim/fold.py``), for :mod:`torchweave.sim.folded`;
+    tasks carry it (``Task.block``)."""
     costs: dict[str, NodeCost] = field(default_factory=dict)
     saves: dict[str, Saves] = field(default_factory=dict)
     _comm_cache: dict = field(default_factory=dict)
@@ -163,6 +166,15 @@ class Builder:
 
     # ---------------------------------------------------------------- one rank
     def tasks(self, prog: Program) -> tuple[list[Task], Footprint]:
+        """One rank's step: forward, backward, gradient sums, optimizer."""
+        from torchweave.sim.backward import place_syncs
+
+        tasks, foot, inputs = self.unsynced(prog)
+        return place_syncs(self, tasks, foot, inputs, prog.rank), foot
+
+    def unsynced(self, prog: Program):
+        """Forward and backward, with markers where gradient sums may start
+        (``sim/backward.py``): tasks, footprint and what ``place_syncs`` needs."""
         r, g = prog.rank, self.graph
         nbytes: dict[str, float] = {}
         foot = Footprint()
@@ -246,11 +258,11 @@ class Builder:
             foot.stage_activations[st] = foot.stage_activations.get(st, 0) + int(kept[base])
         foot.n_fwd = len(fwd)
         foot.held = foot.temporaries
-        from torchweave.sim.backward import backward_tasks
+        from torchweave.sim.backward import SyncInputs, backward_tasks
 
         tasks = fwd + backward_tasks(self, prog, params, first_reader, refs_of, nbytes, foot,
                                      unit_of, members)
-        return tasks, foot
+        return tasks, foot, SyncInputs(params, {p: nbytes[p] for p in params})
 
     def _stage(self, ins) -> int:
         """Pipelined plans: the stage an instruction belongs to (-2: a transfer between
@@ -264,6 +276,12 @@ class Builder:
                 return -2
         return stage
 
+    def _block(self, ins) -> int:
+        """The repeated block an instruction belongs to (-1: none, or not asked)."""
+        if not self.block_of or not isinstance(ins, (Compute, Comm)):
+            return -1
+        return self.block_of.get(ins.node if isinstance(ins, Compute) else ins.consumer, -1)
+
     def _tag(self, tasks: list[Task], mark: int, ins, r: int, nbytes, foot: Footprint) -> None:
         """Stage of the tasks made for ``ins``; a transfer's bytes count into the boundary
         of the stage that receives it."""
@@ -271,8 +289,9 @@ class Builder:
         if stage == -2 and any(t.dst == r for t in ins.step.transfers):
             into = self.stage_of.get(ins.consumer, -1)
             foot.boundary[into] = foot.boundary.get(into, 0.0) + nbytes.get(ins.dst, 0.0)
+        block = self._block(ins)
         for t in tasks[mark:]:
-            t.stage = stage
+            t.stage, t.block = stage, block
 
     def _storages(self, ins: Compute, refs: list[str], root: dict[str, str],
                   strided: set[str]) -> None:
