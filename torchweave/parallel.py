@@ -21,6 +21,8 @@ from torchweave.lower.steps import P2P
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import validate
 from torchweave.policies import PlanLike, resolve
+from torchweave.search import is_auto
+from torchweave.search import resolve as resolve_auto
 from torchweave.runtime.executor import (
     OptimizerFactory, RankModule, StepConfig, default_optimizer,
 )
@@ -123,7 +125,11 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     read, never changed, by planning and lowering).
     """
     graph = _capture(model, example_inputs, micro_batches, precision, graphs)
-    resolved = resolve(plan, graph, world_size)
+    if is_auto(plan):  # searched once, on the whole batch; then built like any plan string
+        resolved = resolve_auto(plan, graph, world_size)
+        plan = resolved.notes["spec"]
+    else:
+        resolved = resolve(plan, graph, world_size)
     pipe = resolved.pipeline
     if pipe is not None and micro_batches > 1:
         raise TorchweaveError(Problem(

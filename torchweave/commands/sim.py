@@ -71,10 +71,10 @@ def _capture(model: str, meta: bool, micro_batches: int = 1):
 
 def _plan_for(spec: str, graph, cluster, world_size: int | None):
     from torchweave.plan.validate import validate
-    from torchweave.policies import resolve
+    from torchweave.search import resolve
 
     n = world_size or cluster.size
-    plan = resolve(spec, graph, n)
+    plan = resolve(spec, graph, n, cluster=cluster)  # auto: searched on this cluster
     validate(plan, graph, world_size=world_size or plan.world_size)
     return plan
 

@@ -22,6 +22,8 @@ Options (each policy takes those listed in :data:`OPTIONS`):
 ``recycle``   forward passes per micro-batch (multi-forward pipelines)
 ``recompute`` ``none``, ``full``, ``selective``, or module names ``mlp+attn``
               (:mod:`torchweave.policies.recompute`)
+``preset``    ``auto`` only: the constraint set the search starts from
+              (:mod:`torchweave.search`)
 ============  =================================================================
 """
 
@@ -51,6 +53,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
     "interleaved": (*_PIPE, "virtual"),
     "interlaced": ("micro", "recompute"),
+    "auto": ("preset",),
 }
 """The options each built-in policy takes."""
 
@@ -59,6 +62,9 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def _check_value(key: str, value: str) -> tuple[Any, str | None]:
     """(parsed value, None) or (None, the rule it breaks)."""
+    if key == "preset":
+        return (value, None) if _MODULE.fullmatch(value) else (
+            None, "preset is a preset's name (megatron, zero3, dp, nnscaler, alpa, free)")
     if key == "recompute":
         names = value.split("+")
         if value in MODES or all(_MODULE.fullmatch(n) for n in names):
@@ -162,6 +168,12 @@ class PlanSpec:
             if o.get("zero"):
                 plan.zero, plan.zero_axis = o["zero"], "dp"
                 plan.name = f"{plan.name}+zero{o['zero']}"
+        elif name == "auto":
+            raise TorchweaveError(Problem(
+                obj=f"plan {self.text!r}", value="auto",
+                rule="auto is found by the search, which needs a cluster",
+                fix="use torchweave.search.resolve (parallelize, verify, simulate and "
+                    "torchweave plan do)"))
         elif name == "random":
             plan = random_plan(graph, world_size)
         elif name == "interlaced":

@@ -44,8 +44,8 @@ class Blocks:
         return len(self.spans)
 
 
-def find_blocks(graph: Graph, plan: Plan) -> Blocks | None:
-    """The model's identical repeated blocks under ``plan``, or None."""
+def find_blocks(graph: Graph, plan: Plan, least: int = 6) -> Blocks | None:
+    """The model's identical repeated blocks under ``plan`` (at least ``least``), or None."""
     keys = []
     for node in graph.nodes:
         m = _NUMBERED.match(node.module or "")
@@ -67,7 +67,7 @@ def find_blocks(graph: Graph, plan: Plan) -> Blocks | None:
             return None
         spans.append((i, j))
         i = j
-    if len(spans) < 6:
+    if len(spans) < least:
         return None
     blocks = Blocks(prefix or "", tuple(spans))
     where, users = made_in(blocks, graph), _param_block(graph, blocks)

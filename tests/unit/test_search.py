@@ -1,0 +1,182 @@
+"""The plan search (``torchweave.search``): constraints as data, the space, the ranking."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from torchweave.errors import TorchweaveError
+from torchweave.search import Constraints, Degrees, OpRule, load_constraints, preset, preset_names, search
+from torchweave.search.search import _in
+from torchweave.search.space import points
+from torchweave.sim import parse_cluster
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt(layers: int = 8, heads: int = 8, d: int = 256, batch: int = 32):
+    import torchweave
+    from torchweave.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=heads, d_model=d)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.zeros(batch, 64, dtype=torch.long)
+    return torchweave.capture(model, (idx, idx), name=f"gpt-{layers}x{d}")
+
+
+# ------------------------------------------------------------------ constraints
+def test_every_preset_is_one_readable_yaml_file() -> None:
+    assert preset_names() == ["alpa", "dp", "free", "megatron", "nnscaler", "zero3"]
+    for name in preset_names():
+        c = preset(name)
+        assert c.name == name and c.description
+    mega = preset("megatron")
+    assert mega.tp == Degrees(only=(1, 2, 4, 8)) and "zb" not in mega.schedules
+    assert preset("nnscaler").schedules == ("none", "1f1b")
+    assert preset("zero3").zero == (3,)
+
+
+def test_yaml_overrides_a_preset_and_reads_op_rules() -> None:
+    c = load_constraints("preset: megatron\ntp: {max: 4}\nmemory_gib: 40\n"
+                         "ops:\n  - {module: 'blocks.*.attn.*', parts: [1, 2]}\n")
+    assert c.tp.allows(4) and not c.tp.allows(8) and c.memory_gib == 40
+    assert c.schedules == preset("megatron").schedules
+    assert c.ops == (OpRule(module="blocks.*.attn.*", parts=(1, 2), line=5),)
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("tp: [1, 2]\nbogus: 3\n", 2, "allowed keys: preset, tp"),
+    ("ops:\n  - {module: 'a.*', partz: [2]}\n", 2, "allowed keys: type, module, name"),
+    ("tp: [0]\n", 1, "whole numbers"),
+    ("pp: {min: 4, max: 2}\n", 1, "1 ≤ min ≤ max"),
+    ("schedules: [1f1b, pipedream]\n", 1, "among none, gpipe"),
+    ("preset: nope\n", 1, "one of alpa"),
+    ("tp: !!python/object/apply:os.system ['echo owned']\n", 1, "plain data"),
+    ("tp: [1,\n", 2, "valid YAML"),
+    ("- a list\n", 1, "a mapping"),
+])
+def test_bad_constraints_name_the_line_and_the_rule(text: str, line: int, words: str) -> None:
+    with pytest.raises(TorchweaveError) as exc:
+        load_constraints(text)
+    assert f"line {line}" in str(exc.value) and words in str(exc.value)
+
+
+def test_a_constraints_file_that_does_not_exist(tmp_path) -> None:
+    with pytest.raises(TorchweaveError, match="must exist"):
+        load_constraints(str(tmp_path / "missing.yaml"))
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: zero3\n")
+    assert load_constraints(str(path)).zero == (3,)
+
+
+# ------------------------------------------------------------------ the space
+def test_every_point_covers_the_world_and_splits_batch_and_blocks() -> None:
+    pts, why = points(8, 16, 8, preset("free"))
+    assert pts and not why
+    for p in pts:
+        assert p.tp * p.pp * p.dp == 8
+        assert 16 % (p.dp * p.micro) == 0
+        assert 8 % (p.pp * p.virtual) == 0
+        assert p.pp == 1 or p.micro >= p.pp
+    kinds = {p.schedule for p in pts}
+    assert kinds == {"none", "gpipe", "1f1b", "interleaved", "zb"}
+    assert all(_in(preset("free"), p) for p in pts)
+    assert {p.spec for p in points(8, 16, 8, preset("zero3"))[0]} == {
+        "zero3", "zero3:recompute=selective", "zero3:recompute=full"}
+
+
+def test_a_space_with_no_point_says_why() -> None:
+    pts, why = points(8, 16, 8, Constraints(tp=Degrees(only=(3,))))
+    assert not pts and "no value divides the world (8)" in why[0]
+
+
+# ------------------------------------------------------------------ the search
+@functools.lru_cache(maxsize=None)
+def _searched(name: str):
+    return search(_gpt(), parse_cluster("8xA100-80GB-SXM"), name, top=5)
+
+
+def test_search_ranks_by_the_simulator_and_is_deterministic() -> None:
+    a, b = _searched("free"), search(_gpt(), parse_cluster("8xA100-80GB-SXM"), "free", top=5)
+    assert [r.spec for r in a.ranked] == [r.spec for r in b.ranked]
+    steps = [r.result.step_time for r in a.ranked]
+    assert steps == sorted(steps) and len(a.ranked) == 5
+    for r in a.ranked:  # every returned plan is simulated and carries the estimate's error
+        assert r.estimate is not None and r.estimate_error is not None
+        assert r.plan.notes["spec"] == r.spec
+        assert set(r.breakdown()) == {"step", "compute", "comm", "bubble %", "peak GiB"}
+    assert a.why() and "beats the runner-up" in a.why()[0]
+
+
+def test_free_is_never_worse_than_a_preset_inside_it() -> None:
+    free = _searched("free").best.result.step_time
+    for name in ("megatron", "nnscaler", "dp"):
+        assert free <= _searched(name).best.result.step_time * (1 + 1e-9), name
+    assert all(_in(preset("megatron"), r.point) for r in _searched("megatron").ranked)
+
+
+def test_an_op_rule_takes_out_the_splits_it_forbids() -> None:
+    c = Constraints(tp=Degrees(only=(1, 2, 4)), schedules=("none",), zero=(0,),
+                    recompute=("none",), ops=(OpRule(module="blocks.*.attn.*", parts=(1, 2)),))
+    res = search(_gpt(), parse_cluster("8xA100-80GB-SXM"), c, top=10)
+    assert {r.point.tp for r in res.ranked} <= {1, 2}
+    assert any("tp=4" in e and "allows [1, 2]" in e for e in res.excluded), res.excluded
+
+
+def test_constraints_no_plan_satisfies_name_the_conflict() -> None:
+    """6 heads do not split 4 ways: the tp policy keeps attention whole, which the rule
+    forbids; the error names the degree, the op and the rule."""
+    g = _gpt(heads=6, d=192)
+    sdpa = "aten.scaled_dot_product_attention.default"
+    c = Constraints(tp=Degrees(only=(4,)), pp=Degrees(only=(1,)), schedules=("none",),
+                    ops=(OpRule(type=sdpa, replicate=False),))
+    with pytest.raises(TorchweaveError) as exc:
+        search(g, parse_cluster("8xA100-80GB-SXM"), c)
+    text = str(exc.value)
+    assert "tp=4 keeps it whole" in text and "scaled_dot_product_attention" in text
+    # With 8 heads the same constraints are met.
+    assert search(_gpt(), parse_cluster("8xA100-80GB-SXM"), c).best.point.tp == 4
+
+
+def test_a_memory_budget_no_plan_fits_gives_the_shortfall_and_what_to_relax() -> None:
+    c = Constraints(memory_gib=0.001, recompute=("none",), zero=(0,))
+    with pytest.raises(TorchweaveError) as exc:
+        search(_gpt(), parse_cluster("8xA100-80GB-SXM"), c)
+    text = str(exc.value)
+    assert "GiB more per device" in text and "allow recompute" in text
+
+
+def test_auto_plan_strings() -> None:
+    from torchweave.policies import resolve as resolve_policy
+    from torchweave.policies.spec import PlanSpec
+    from torchweave.search import resolve
+
+    assert PlanSpec.parse("auto:preset=megatron").options == {"preset": "megatron"}
+    with pytest.raises(TorchweaveError, match="preset is a preset's name"):
+        PlanSpec.parse("auto:preset=../../etc")
+    g = _gpt(layers=4, d=64, batch=8)
+    with pytest.raises(TorchweaveError, match="needs a cluster"):
+        resolve_policy("auto", g, 4)
+    plan = resolve("auto:preset=dp", g, 4, cluster=parse_cluster("4xA100-80GB-SXM"))
+    assert plan.notes["spec"] == "dp" and "auto (dp)" in plan.notes["search"]
+
+
+def test_cli_plan_auto_prints_the_ranking_and_saves_the_winner(tmp_path, capsys) -> None:
+    from torchweave.cli import main
+    from torchweave.plan.plan import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--plan", "auto", "--world-size", "4", "--top", "3",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "the best plans on 4xCPU" in text and "estimate error" in text
+    plan = Plan.from_json(out.read_text())
+    assert plan.world_size == 4 and plan.notes["spec"] in text
+    cfile = tmp_path / "c.yaml"
+    cfile.write_text("preset: dp\nbogus: 1\n")
+    assert main(["plan", "gpt-tiny", "--plan", "auto", "--constraints", str(cfile)]) == 2
+    assert "line 2" in capsys.readouterr().out + capsys.readouterr().err
+    json.loads(out.read_text())

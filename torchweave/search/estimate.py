@@ -1,0 +1,189 @@
+"""The search's own cost model: every point of the space priced in microseconds of CPU.
+
+For each tensor-parallel way of splitting a block — ``(tp, sp, recompute)`` — the
+event simulator runs once on a **proxy**: the model cut to 3 and to 4 of its
+identical blocks (:func:`torchweave.sim.fold.cut`), planned with that split
+alone on ``tp`` devices of the target cluster. The difference is one block: its
+forward, backward and tensor-parallel communication seconds, its activations
+and its parameters, at the whole batch; the rest (embeddings, head, loss) is
+what 4 blocks leave. A point then costs, per micro-batch of ``1/(dp·micro)`` of
+the batch, by arithmetic:
+
+- **compute** (with tensor-parallel collectives): blocks per stage × one block,
+  plus the rest, scaled by the micro-batch's share of the batch;
+- **bubble**: the schedule's fill and drain, ``(pp − 1)`` stage times for GPipe and
+  1F1B, ``(pp − 1)/virtual`` for interleaved, a third of 1F1B's for ZB-H1;
+- **gradient sum** over ``dp``: costed by the simulator's collective model; for
+  plain data parallelism in 25 MiB buckets, all but the last hidden behind the
+  backward where it is long enough; after the pipeline flush otherwise;
+- **optimizer**: AdamW's memory-bound pass over the rank's (shard of) parameters;
+- **memory**: the rank's model state (:func:`~torchweave.sim.memory.model_state_memory`)
+  and activations: one block's × blocks per stage × micro-batches in flight
+  (1 without a pipeline, ``min(micro, pp)`` for 1F1B and ZB, ``micro`` for GPipe,
+  ``pp + (pp − 1)/virtual`` for interleaved).
+
+It is an estimate: scaling a block's seconds linearly with the micro-batch
+ignores that small matrix products run less efficiently, and the stage holding
+the head is charged the whole rest. The search ranks every point by it,
+simulates the best ones in full, and reports both, so its error is measured
+on every plan it returns (``SearchResult.estimate_error``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from torchweave.ir.graph import Graph
+from torchweave.plan.plan import Plan
+from torchweave.policies.spec import PlanSpec
+from torchweave.search.space import Point
+from torchweave.sim.cluster import Cluster
+from torchweave.sim.comm import Collective, collective_time
+from torchweave.sim.cost import ComputeModel
+from torchweave.sim.fold import Blocks, cut
+from torchweave.sim.memory import model_state_memory
+from torchweave.sim.simulate import simulate
+
+BUCKET = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """One block and the rest of the model under one tensor-parallel split, at the whole batch."""
+
+    block_s: float
+    """Forward, backward and tensor-parallel communication of one block (optimizer excluded)."""
+    rest_s: float
+    block_act: int
+    rest_act: int
+    block_params: int
+    """Parameter elements of one block on one rank."""
+    rest_params: int
+    boundary_bytes: int
+    """What one block hands the next (its output), at the whole batch, on one rank."""
+    plan: Plan
+    """The proxy's plan on the 4-block model (op rules are checked on it)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    sync_s: float
+    """Gradient sums left exposed."""
+    p2p_s: float
+    optimizer_s: float
+    memory: int
+    """Peak bytes on the busiest rank."""
+
+
+def sub_cluster(cluster: Cluster, n: int) -> Cluster:
+    """The first ``n`` devices of ``cluster``, nodes as in it."""
+    per = min(n, cluster.devices_per_node)
+    return replace(cluster, nodes=math.ceil(n / per), devices_per_node=per,
+                   name=f"{n} of {cluster.name or cluster}")
+
+
+def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, recompute: str, *,
+          dtype, precision: str) -> Proxy:
+    """The proxy of ``(tp, sp, recompute)``; raises the policy's error where the split
+    does not apply to the model (e.g. heads not divisible by tp)."""
+    text = ("dp" if tp == 1 else f"{'sp' if sp else 'tp'}:tp={tp},dp=1") + (
+        "" if recompute == "none" else (":" if tp == 1 else ",") + f"recompute={recompute}")
+    plan = PlanSpec.parse(text).build(graph, tp)
+    small = sub_cluster(cluster, tp)
+    runs = []
+    for k in (3, 4):
+        g, p = cut(graph, plan, blocks, k)
+        runs.append((simulate(g, p, small, dtype=dtype, fold=False, timeline=False), g, p))
+    (r3, _, _), (r4, g4, p4) = runs
+    m3 = max(r3.memory, key=lambda m: m.peak)
+    m4 = max(r4.memory, key=lambda m: m.peak)
+    model = ComputeModel.for_device(cluster.device)
+    bw = cluster.device.memory_bandwidth * model.bandwidth
+    each = model_state_memory(1, precision=precision).params  # bytes a parameter holds
+    pb = (m4.params - m3.params) // each
+    pr = max(0, m4.params // each - 4 * pb)
+    # The simulator's AdamW pass reads 7 fp32 words per parameter (sim/backward.py): the
+    # search prices it per point instead.
+    block = (r4.step_time - r3.step_time) - 28 * pb / bw
+    rest = r4.step_time - 4 * (r4.step_time - r3.step_time) - 28 * pr / bw
+    end = blocks.spans[1][1] - 1
+    out = graph.nodes[end].outputs[0]
+    boundary = graph.values[out].meta.nbytes
+    return Proxy(max(block, 0.0), max(rest, 0.0), m4.activations - m3.activations,
+                 max(0, m4.activations - 4 * (m4.activations - m3.activations)), pb, pr,
+                 boundary, p4)
+
+
+def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision: str) -> Estimate:
+    """The cost of ``pt`` from its split's proxy (see the module docstring)."""
+    f = 1.0 / (pt.dp * pt.micro)
+    per_rank_blocks = n_blocks / pt.pp
+    stage = (per_rank_blocks / pt.virtual) * px.block_s * f
+    rest = px.rest_s * f
+    work = pt.micro * (per_rank_blocks * px.block_s * f) + pt.micro * rest
+    if pt.pp == 1:
+        bubble = 0.0
+    elif pt.schedule == "interleaved":
+        bubble = (pt.pp - 1) / pt.virtual * (stage * pt.virtual + rest)
+    elif pt.schedule == "zb":
+        bubble = (pt.pp - 1) * (stage + rest) / 3
+    else:
+        bubble = (pt.pp - 1) * (stage + rest)
+    elems = int(per_rank_blocks * px.block_params + px.rest_params)
+    param_bytes = 4 * elems  # gradients are summed in fp32
+    group = _dp_group(pt, cluster)
+    sync = 0.0
+    if pt.dp > 1:
+        if pt.zero == 0:
+            n = max(1, math.ceil(param_bytes / BUCKET))
+            last = _seconds(cluster, Collective.ALL_REDUCE, param_bytes / n, group)
+            full = n * last
+            if pt.pp == 1:
+                backward = work * 2 / 3
+                sync = max(last, full - backward)
+            else:
+                sync = full
+        else:
+            rs = _seconds(cluster, Collective.REDUCE_SCATTER, param_bytes, group)
+            ag = _seconds(cluster, Collective.ALL_GATHER, param_bytes, group)
+            sync = rs + ag if pt.zero < 3 else max(0.0, 2 * ag + rs - work)
+    p2p = 0.0
+    if pt.pp > 1:
+        hop = px.boundary_bytes * f / max(pt.tp, 1)
+        link = cluster.inter if pt.tp * pt.dp >= cluster.devices_per_node else cluster.intra
+        p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
+    bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
+    shard = param_bytes / (pt.dp if pt.zero >= 1 else 1)
+    opt = 7 * shard / bw
+    state = model_state_memory(elems, dp=pt.dp, stage=pt.zero, precision=precision)
+    temps = min(BUCKET, param_bytes) if pt.zero == 0 else 0
+    if pt.zero in (1, 2) and pt.dp > 1:
+        temps = model_state_memory(elems, precision=precision).grads
+    if pt.pp == 1:
+        flight = 1.0
+    elif pt.schedule == "gpipe":
+        flight = pt.micro
+    elif pt.schedule == "interleaved":
+        flight = min(pt.micro, pt.pp + (pt.pp - 1) / pt.virtual)
+    else:
+        flight = min(pt.micro, pt.pp)
+    acts = px.block_act * f * per_rank_blocks * flight + px.rest_act * f
+    memory = int(state.total + acts + temps)
+    step = work + bubble + sync + p2p + opt
+    return Estimate(step, work, bubble, sync, p2p, opt, memory)
+
+
+def _seconds(cluster: Cluster, c: Collective, nbytes: float, group: tuple[int, ...]) -> float:
+    return collective_time(cluster, c, int(nbytes), group).seconds
+
+
+def _dp_group(pt: Point, cluster: Cluster) -> tuple[int, ...]:
+    """Rank 0's data-parallel group as the policies lay it out (tp innermost)."""
+    return tuple(range(0, pt.tp * pt.dp, pt.tp))
+
+
+__all__ = ["Estimate", "Proxy", "estimate", "proxy", "sub_cluster"]

@@ -1,0 +1,101 @@
+"""The space a constraint set leaves: every (tp, pp, dp, micro, schedule, virtual, recompute, ZeRO, sp)
+point as a plan string, with the reason each excluded point is excluded.
+
+A point is a plan string of the built-in policies (:mod:`torchweave.policies.spec`),
+so whatever the search returns can be written down, read, changed and run
+like any other plan. Points are pruned here by arithmetic alone (no graph
+work): the mesh covers the world, the batch splits into ``dp × micro``
+pieces, the blocks split into ``pp × virtual`` stages, and the constraints
+allow every degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchweave.search.constraints import Constraints
+
+
+@dataclass(frozen=True, order=True)
+class Point:
+    tp: int
+    pp: int
+    dp: int
+    micro: int
+    schedule: str
+    """``none`` (no pipeline) or a pipeline schedule."""
+    virtual: int
+    recompute: str
+    zero: int
+    sp: bool
+
+    @property
+    def spec(self) -> str:
+        """The plan string that builds this point."""
+        rec = f"recompute={self.recompute}" if self.recompute != "none" else ""
+        if self.schedule == "none":
+            if self.tp == 1:
+                base = "dp" if self.zero == 0 else f"zero{self.zero}"
+                return base + (f":{rec}" if rec else "")
+            opts = [f"tp={self.tp}", f"dp={self.dp}"] + ([f"zero={self.zero}"] if self.zero else [])
+            return ("sp" if self.sp else "tp") + ":" + ",".join(opts + ([rec] if rec else []))
+        opts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"micro={self.micro}"]
+        if self.schedule == "interleaved":
+            opts.append(f"virtual={self.virtual}")
+        if self.zero:
+            opts.append(f"zero={self.zero}")
+        return f"{self.schedule}:" + ",".join(opts + ([rec] if rec else []))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def points(world: int, batch: int, blocks: int, c: Constraints) -> tuple[list[Point], list[str]]:
+    """Every point of the space for ``world`` ranks, a global batch of ``batch`` samples and
+    ``blocks`` repeated blocks (0: no pipelines); and why the degrees the constraints
+    allow are left out, where all of some degree is."""
+    out: list[Point] = []
+    why: list[str] = []
+    tps = [t for t in divisors(world) if c.tp.allows(t)]
+    if not tps:
+        why.append(f"tp {c.tp}: no value divides the world ({world})")
+    for tp in tps:
+        for pp in (p for p in divisors(world // tp) if c.pp.allows(p)):
+            dp = world // (tp * pp)
+            if not c.dp.allows(dp) or batch % dp:
+                continue
+            local = batch // dp
+            if pp == 1:
+                if "none" not in c.schedules:
+                    continue
+                sps = [False] + ([True] if c.sp and tp > 1 else [])
+                for zero in c.zero:
+                    if zero == 3 and tp > 1:
+                        continue  # ZeRO-3 is the data-parallel policy's (zero3)
+                    for rec in c.recompute:
+                        for sp in sps:
+                            out.append(Point(tp, 1, dp, 1, "none", 1, rec, zero, sp))
+                continue
+            if not blocks:
+                continue
+            for sched in (s for s in c.schedules if s != "none"):
+                virtuals = [v for v in range(1, blocks // pp + 1)
+                            if c.virtual.allows(v)] if sched == "interleaved" else [1]
+                for v in virtuals:
+                    if blocks % (pp * v) or (sched == "interleaved" and v < 2):
+                        continue
+                    for m in (m for m in divisors(local) if c.micro.allows(m) and m >= pp):
+                        if sched == "interleaved" and m % pp:
+                            continue
+                        for zero in (z for z in c.zero if z <= 1):
+                            for rec in c.recompute:
+                                out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False))
+    if tps and not out:
+        why.append(f"no (tp, pp, dp, micro) in the constraints fits {world} ranks, a batch of "
+                   f"{batch} and {blocks} blocks: tp {c.tp}, pp {c.pp}, dp {c.dp}, "
+                   f"micro {c.micro}, schedules {', '.join(c.schedules)}")
+    return sorted(set(out)), why
+
+
+__all__ = ["Point", "divisors", "points"]
