@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
+from readme_section import write_section
 from torchweave.fuzz import MODELS, Draw, Outcome, draw, run, table
 
 ROOT = Path(__file__).resolve().parent
-BEGIN, END = "<!-- fuzz-table:begin -->", "<!-- fuzz-table:end -->"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         text += "\nFailed: " + "; ".join(f"seed {o.draw.seed} ({o.detail})" for o in failed) + "\n"
     print(text)
     if args.readme:
-        _write_readme(text, " ".join(sys.argv[1:]))
+        write_section("fuzz-table", "python bench/fuzz.py " + " ".join(sys.argv[1:]), text, dated=False)
     return 1 if count["failed"] else 0
 
 
@@ -112,14 +111,6 @@ def _read_log(path: Path) -> list[Outcome]:
 def _seed_range(draws: list[Draw]) -> str:
     seeds = [d.seed for d in draws]
     return f"{min(seeds)}..{max(seeds)}" if seeds else "none"
-
-
-def _write_readme(text: str, args: str) -> None:
-    path = ROOT / "README.md"
-    body = f"{BEGIN}\n`python bench/fuzz.py {args}`:\n\n{text}{END}"
-    old = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-    path.write_text(pattern.sub(lambda _m: body, old) if pattern.search(old) else old + "\n" + body + "\n")
 
 
 if __name__ == "__main__":

@@ -20,15 +20,15 @@ Run: python bench/sim_speed.py [--batch 2048] [--exact] [--readme]
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from readme_section import write_section
+
 ROOT = Path(__file__).resolve().parent
-BEGIN, END = "<!-- sim-speed:begin -->", "<!-- sim-speed:end -->"
 
 MODELS = {  # name: (layers, d_model, heads), vocabulary 50304, sequence 2048
     "GPT-3 175B": (96, 12288, 96),
@@ -101,7 +101,7 @@ def main() -> int:
         text += "\n" + exact_table(graphs["GPT-3 175B"])
     print("\n" + text)
     if args.readme:
-        _write_readme(text, " ".join(sys.argv[1:]))
+        write_section("sim-speed", "python bench/sim_speed.py " + " ".join(sys.argv[1:]), text)
     return 0
 
 
@@ -135,15 +135,6 @@ def exact_table(g) -> str:
                 f"{worst([fast.model_flops], [exact.model_flops])} |\n")
         print(out.splitlines()[-1], flush=True)
     return out
-
-
-def _write_readme(text: str, args: str) -> None:
-    path = ROOT / "README.md"
-    stamp = time.strftime("%Y-%m-%d")
-    body = f"{BEGIN}\n`python bench/sim_speed.py {args}` ({stamp}, this 2-core machine):\n\n{text}{END}"
-    old = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-    path.write_text(pattern.sub(lambda _m: body, old) if pattern.search(old) else old + "\n" + body + "\n")
 
 
 if __name__ == "__main__":

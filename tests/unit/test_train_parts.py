@@ -87,7 +87,11 @@ def test_the_demo_config_is_valid_and_command_line_overrides_reach_it(capsys) ->
     assert cfg.steps == 7 and cfg.parallel.world_size == 4 and cfg.data.kind == "text"
     assert main(["demo", "--parallel.global_batch=5"]) == 2  # rejected before launch
     out = capsys.readouterr().out
-    assert "global_batch(5) != micro_batch(4) * grad_accum(1) * dp(4)" in out
+    assert "global_batch / (micro_batch * grad_accum) = 5 / 4" in out
+    assert "set global_batch to 16" in out
+    # Under auto the batch sizes give dp; the search splits the rest of the ranks.
+    cfg = load_config(None, ["--parallel.global_batch=8"], base=DEMO)
+    assert cfg.parallel.dp == 2
     with pytest.raises(SystemExit):
         main(["inspect", "gpt-tiny", "--optim.lr=1"])  # overrides belong to train and demo
 

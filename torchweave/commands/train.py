@@ -43,8 +43,9 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
     from torchweave.api import capture
     from torchweave.plan.show import plan_table, replication_note
     from torchweave.policies import resolve
-    from torchweave.train.auto import choose_plan
+    from torchweave.train.auto import search_plan
     from torchweave.train.build import build_model
+    from torchweave.train.config import is_auto
     from torchweave.train.data import Sampler, build_dataset
 
     torch.manual_seed(cfg.seed)
@@ -55,8 +56,8 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
     k = cfg.parallel.grad_accum
     graph = capture(model, tuple(x.chunk(k)[0] for x in batch))
     plan, reason, choice = cfg.parallel.plan, "", None
-    if plan == "auto":
-        choice = choose_plan(graph, cfg.parallel.world_size)
+    if is_auto(plan):
+        choice = search_plan(graph, plan, cfg.parallel)
         plan, reason = choice.plan, f"auto: {choice.reason}"
     if console is not None:
         n = sum(p.numel() for p in model.parameters())

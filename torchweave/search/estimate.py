@@ -15,7 +15,9 @@ the batch, by arithmetic:
   1F1B, ``(pp − 1)/virtual`` for interleaved, a third of 1F1B's for ZB-H1;
 - **gradient sum** over ``dp``: costed by the simulator's collective model; for
   plain data parallelism in 25 MiB buckets, all but the last hidden behind the
-  backward where it is long enough; after the pipeline flush otherwise;
+  backward where it is long enough; after the pipeline flush otherwise; ZeRO-1/2
+  one reduce-scatter and one gather; ZeRO-3 two gathers and a reduce-scatter per
+  unit, hidden behind compute but the first;
 - **optimizer**: AdamW's memory-bound pass over the rank's (shard of) parameters;
 - **memory**: the rank's model state (:func:`~torchweave.sim.memory.model_state_memory`)
   and activations: one block's × blocks per stage × micro-batches in flight
@@ -46,6 +48,7 @@ from torchweave.sim.memory import model_state_memory
 from torchweave.sim.simulate import simulate
 
 BUCKET = 25 * 2**20
+UNIT_BYTES = 32 * 2**20  # ZeRO-3 units (sim/units.py)
 
 
 @dataclass(frozen=True)
@@ -147,10 +150,20 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
                 sync = max(last, full - backward)
             else:
                 sync = full
-        else:
-            rs = _seconds(cluster, Collective.REDUCE_SCATTER, param_bytes, group)
-            ag = _seconds(cluster, Collective.ALL_GATHER, param_bytes, group)
-            sync = rs + ag if pt.zero < 3 else max(0.0, 2 * ag + rs - work)
+        elif pt.zero < 3:  # one reduce-scatter after backward, one gather after AdamW
+            sync = (_seconds(cluster, Collective.REDUCE_SCATTER, param_bytes, group)
+                    + _seconds(cluster, Collective.ALL_GATHER, param_bytes, group))
+        else:  # ZeRO-3: each block's unit gathered in forward and backward, reduce-scattered
+            units = []
+            for nbytes, count in ((4 * px.block_params, per_rank_blocks), (4 * px.rest_params, 1)):
+                pieces = max(1, math.ceil(nbytes / UNIT_BYTES))
+                units.append((nbytes / pieces, count * pieces))
+            each = [(2 * _seconds(cluster, Collective.ALL_GATHER, b, group)
+                     + _seconds(cluster, Collective.REDUCE_SCATTER, b, group), b, n)
+                    for b, n in units if b]
+            total = sum(t * n for t, _, n in each)
+            first = _seconds(cluster, Collective.ALL_GATHER, each[0][1], group) if each else 0.0
+            sync = first + max(0.0, total - work)  # overlapped with compute, the first exposed
     p2p = 0.0
     if pt.pp > 1:
         hop = px.boundary_bytes * f / max(pt.tp, 1)

@@ -5,10 +5,14 @@
    arithmetic works for the world, the batch and the blocks.
 2. **Proxies**: one short simulation per way of splitting a block (tp, sp,
    recompute) gives one block's and the rest's cost
-   (:mod:`torchweave.search.estimate`); a split the model refuses (heads not
-   divisible by tp) or an op rule forbids takes its points out, with the reason.
+   (:mod:`torchweave.search.estimate`); a split the model refuses or an op rule
+   forbids takes its points out, with the reason. Degrees are tried in
+   increasing order while they make a block faster: once a degree is no faster
+   than a smaller one, larger ones are not tried (they only add communication),
+   and the result says so.
 3. **Estimate** every point by arithmetic, drop those over the memory budget.
-4. **Re-rank**: the best ``simulate`` points (and the best point of the
+4. **Re-rank**: the best ``top + 3`` points (48 on small models, :data:`CHEAP`; and the
+   best point of the
    ``megatron`` preset, for comparison) are built as plans, checked against the
    constraints' op rules, cuts, pins and ties, and simulated in full by the event
    simulator. The ranking is the simulator's; the estimate's error on each is kept.
@@ -40,6 +44,10 @@ from torchweave.sim.fold import find_blocks
 from torchweave.sim.simulate import SimResult, simulate
 
 GiB = 2**30
+CHEAP = 20_000
+"""Graph nodes × ranks under which a simulation costs little: the search then simulates its
+best 48 points instead of ``top + 3`` (the estimate is least accurate on small models,
+where fixed per-op costs do not shrink with the micro-batch)."""
 
 
 @dataclass
@@ -137,7 +145,16 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     over: list[tuple[str, float]] = []
     if blocks is not None:
         proxies: dict[tuple, Proxy | None] = {}
+        best_block, stop = math.inf, None
         for key in sorted({(p.tp, p.sp, p.recompute) for p in pts}):
+            if stop is not None and key[0] > stop:
+                proxies[key] = None
+                continue
+            if key[0] > 1 and key[1:] == (False, "none") and stop is None:
+                # Larger degrees are tried while they make a block faster.
+                prev = min((x.block_s for k, x in proxies.items() if x and k[0] < key[0]),
+                           default=math.inf)
+                best_block = prev
             say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]}")
             try:
                 px = proxy(graph, blocks, cluster, *key, dtype=dtype, precision=precision)
@@ -152,6 +169,10 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
                 proxies[key] = None
                 continue
             proxies[key] = px
+            if key[1:] == (False, "none") and key[0] > 1 and px.block_s >= best_block:
+                stop = key[0]
+                excluded.append(f"tp > {key[0]}: not tried; tp={key[0]} is no faster per block "
+                                f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
         for pt in pts:
             px = proxies[(pt.tp, pt.sp, pt.recompute)]
             if px is None:
@@ -162,7 +183,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             else:
                 ests[pt] = e
         order = sorted(ests, key=lambda p: (ests[p].step_s, p.spec))
-        n = simulate_top or max(2 * top, 8)
+        n = simulate_top or (top + 3 if len(graph.nodes) * world > CHEAP else max(top + 3, 48))
         chosen = order[:n]
         ref = _reference(order)
         if ref is not None and ref not in chosen:

@@ -109,6 +109,15 @@ class Device:
     NCCL's own SMs). ``False`` where they take the same core as compute (gloo on
     a CPU rank with one thread): the simulator then runs a rank's communication
     on its compute stream too, one after the other."""
+    failures_per_hour: float = 419 / (16384 * 54 * 24)
+    """The chance a device fails (stops the job) in one hour. Default: Llama 3's
+    training, 419 unexpected interruptions in 54 days on 16,384 H100s (Dubey et al.,
+    2024, "The Llama 3 Herd of Models", section 3.3.4), about 2e-5 per GPU-hour;
+    state a cluster's own in its YAML (``device: {base: A100-80GB-SXM,
+    failures_per_hour: ...}``)."""
+    storage_write: float = 0.25e9
+    """Bytes/s one device can write a checkpoint at, its share of the storage (an
+    assumption: 2 GB/s per 8-device node; set it in the cluster YAML)."""
     cores: int | None = None
     """A CPU device: the cores of its node, where each rank is given one. A node
     running more ranks than that shares them: :class:`~torchweave.sim.cluster.Cluster`

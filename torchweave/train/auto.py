@@ -1,4 +1,11 @@
-"""``plan: auto``: the data-parallel policy the simulator predicts fastest, among those that fit."""
+"""``plan: auto`` in a train config: the search's best plan for the config's batch sizes on this machine.
+
+:func:`search_plan` runs :func:`torchweave.search.search` with the data-parallel
+degree the config's batch sizes give (``global_batch / (micro_batch · grad_accum)``)
+and, with gradient accumulation, no pipelines (a pipeline takes its
+micro-batches from the plan). :func:`choose_plan` is the older, narrower choice
+among ``dp`` and ZeRO 1–3, kept for callers that want only those.
+"""
 
 from __future__ import annotations
 
@@ -55,8 +62,26 @@ def choose_plan(graph: Graph, world_size: int, *, device: str | None = None) -> 
     return Choice(best, times, why, str(cluster))
 
 
+def search_plan(graph: Graph, plan: str, parallel) -> Choice:
+    """``plan`` (``auto``, ``auto:preset=NAME``) searched for ``parallel`` (a
+    ``ParallelConfig``) on this machine as ``parallel.world_size`` ranks."""
+    from torchweave.policies.spec import PlanSpec
+    from torchweave.search import Degrees, local_cluster, preset, search
+
+    spec = PlanSpec.parse(plan)
+    c = preset(spec.options.get("preset", "free"))
+    c = c.with_(dp=Degrees(only=(parallel.dp,)),
+                schedules=("none",) if parallel.grad_accum > 1 else c.schedules)
+    cluster = local_cluster(parallel.world_size)
+    result = search(graph, cluster, c, world_size=parallel.world_size, top=5)
+    ranked = ", ".join(f"{r.spec} {r.result.step_time * 1e3:.1f} ms" for r in result.ranked)
+    why = (f"fastest predicted on {cluster} in {c.name} with dp={parallel.dp}: {ranked}")
+    return Choice(result.best.spec, {r.spec: r.result.step_time for r in result.ranked}, why,
+                  str(cluster))
+
+
 def auto_plan(model: torch.nn.Module, example: tuple[torch.Tensor, ...], world_size: int) -> Choice:
     return choose_plan(capture(model, example), world_size)
 
 
-__all__ = ["CANDIDATES", "Choice", "auto_plan", "choose_plan"]
+__all__ = ["CANDIDATES", "Choice", "auto_plan", "choose_plan", "search_plan"]

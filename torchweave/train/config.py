@@ -144,13 +144,17 @@ class ScheduleConfig:
 def _plan_dp(plan: str, world_size: int) -> tuple[int, str]:
     """The data-parallel degree a plan string implies, and how (for error messages); a bad
     plan string is a :class:`ConfigError` on ``parallel.plan``."""
-    if plan == "auto" or plan.endswith(".json"):
+    if plan.endswith(".json"):
         return world_size, f"plan {plan!r}: dp = world_size"
     try:
         spec = PlanSpec.parse(plan)
     except TorchweaveError as e:
         raise ConfigError([dataclasses.replace(p, obj=f"parallel.plan: {p.obj}") for p in e.problems]) from None
     return spec.dp(world_size), f"plan {plan!r}: dp = {spec.dp(world_size)}"
+
+
+def is_auto(plan: str) -> bool:
+    return plan == "auto" or plan.startswith("auto:")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,8 +168,10 @@ class ParallelConfig:
     ``1f1b:micro=8,dp=2,tp=2,recompute=selective`` (all of them:
     ``torchweave.policies.spec``; a pipeline cuts each ``micro_batch`` batch into its
     micro-batches), a plan.json path (taken as data-parallel over the world),
-    or ``auto``: the data-parallel policy (``dp``, ``zero1``-``zero3``) the simulator
-    predicts fastest on this machine among those that fit in memory."""
+    or ``auto`` (``auto:preset=megatron``): the plan the search (``torchweave.search``)
+    predicts fastest on this machine among those that fit, with the data-parallel
+    degree the batch sizes give and the rest of the ranks split by tensor and
+    pipeline parallelism."""
     world_size: int = 2
     """Number of ranks."""
     grad_accum: int = 1
@@ -182,7 +188,10 @@ class ParallelConfig:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: groups of ranks that see different samples."""
+        """Data-parallel degree: groups of ranks that see different samples (``auto``: what
+        the batch sizes say, ``global_batch / (micro_batch · grad_accum)``)."""
+        if is_auto(self.plan):
+            return max(1, self.global_batch // max(1, self.micro_batch * self.grad_accum))
         return _plan_dp(self.plan, self.world_size)[0]
 
     def __post_init__(self) -> None:
@@ -191,7 +200,19 @@ class ParallelConfig:
             if getattr(self, name) < 1:
                 problems.append(Problem(obj=f"parallel.{name}", value=str(getattr(self, name)),
                                         rule="at least 1"))
-        if not problems and self.global_batch != self.micro_batch * self.grad_accum * self.dp:
+        if not problems and is_auto(self.plan):
+            _plan_dp(self.plan, self.world_size)  # the plan string itself is checked
+            each = self.micro_batch * self.grad_accum
+            if self.global_batch % each or self.world_size % (self.global_batch // each):
+                problems.append(Problem(
+                    obj="parallel.global_batch", value=str(self.global_batch),
+                    rule=f"under {self.plan!r} the data-parallel degree is global_batch / "
+                         f"(micro_batch * grad_accum) = {self.global_batch} / {each}, a whole "
+                         f"number that divides world_size ({self.world_size}); the search "
+                         f"splits the rest of the ranks with tensor and pipeline parallelism",
+                    fix=f"set global_batch to {each * self.world_size} (dp = world_size) or "
+                        f"another multiple of {each} whose quotient divides {self.world_size}"))
+        elif not problems and self.global_batch != self.micro_batch * self.grad_accum * self.dp:
             problems.append(Problem(
                 obj="parallel.global_batch", value=str(self.global_batch),
                 rule=f"global_batch({self.global_batch}) != micro_batch({self.micro_batch}) * "
