@@ -10,7 +10,7 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from torchweave.errors import Problem, TorchweaveError
+from torchweave.errors import TorchweaveError
 
 
 PLAN_HELP = ("a plan string, POLICY[:KEY=VALUE,...] (dp, zero3:recompute=full, tp:tp=4,zero=1, "
@@ -75,9 +75,11 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
         cluster = load_cluster(args.cluster)
     world = args.world_size or (cluster.size if cluster else 2)
-    if is_auto(args.plan) or args.constraints or args.preset:
-        return _search(args, console, graph, cluster, world)
-    plan = resolve(args.plan, graph, world)
+    if is_auto(args.plan) or args.constraints or args.preset or args.clusters:
+        from torchweave.commands.search import run_search
+
+        return run_search(args, console, graph, cluster, world)
+    plan = resolve(args.plan, graph, world, cluster=cluster)
     validate(plan, graph, world_size=world)
     console.print(plan_table(plan, graph, limit=None if args.all else 40))
     if not args.all and len(graph.nodes) > 40:
@@ -92,51 +94,6 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.code:
         paths = write(lower(graph, plan), args.code)
         console.print(f"wrote {len(paths)} programs: {args.code}/rank0.py ...")
-    return 0
-
-
-def _search(args: argparse.Namespace, console: Console, graph, cluster, world: int) -> int:
-    """``torchweave plan MODEL --plan auto``: the ranking, why the winner won, the winner saved."""
-    from rich.table import Table
-
-    from torchweave.policies.spec import PlanSpec
-    from torchweave.search import load_constraints, local_cluster, preset, search
-
-    spec = PlanSpec.parse(args.plan if args.plan.startswith("auto") else "auto")
-    if args.constraints and (args.preset or "preset" in spec.options):
-        raise TorchweaveError(Problem(obj="--constraints", value=args.constraints,
-                                      rule="one constraint set: a file or a preset",
-                                      fix="name the preset inside the file: 'preset: megatron'"))
-    constraints = (load_constraints(args.constraints) if args.constraints
-                   else preset(args.preset or spec.options.get("preset", "free")))
-    cluster = cluster or local_cluster(world)
-    with console.status("searching") as status:
-        result = search(graph, cluster, constraints, world_size=world, top=args.top,
-                        progress=lambda msg: status.update(escape(msg)))
-    table = Table(title=f"{graph.model_name}: the best plans on {cluster} "
-                        f"({constraints.name}; {result.considered} points, "
-                        f"{result.seconds:.1f} s)")
-    for col in ("#", "plan", "step s", "compute s", "comm s", "bubble %", "peak GiB",
-                "estimate s", "estimate error"):
-        table.add_column(col, justify="left" if col == "plan" else "right")
-    for i, r in enumerate(result.ranked, 1):
-        b = r.breakdown()
-        err = r.estimate_error
-        table.add_row(str(i), escape(r.spec), f"{b['step']:.4g}", f"{b['compute']:.4g}",
-                      f"{b['comm']:.4g}", f"{b['bubble %']:.1f}", f"{b['peak GiB']:.2f}",
-                      f"{r.estimate.step_s:.4g}" if r.estimate else "-",
-                      f"{100 * err:.1f}%" if err is not None else "-")
-    console.print(table)
-    for line in result.why():
-        console.print(f"{escape(result.best.spec)} {escape(line)}", highlight=False)
-    if result.excluded:
-        console.print(f"left out: {escape('; '.join(result.excluded[:4]))}"
-                      + (f" (+{len(result.excluded) - 4} more)" if len(result.excluded) > 4 else ""),
-                      highlight=False)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(result.best.plan.to_json())
-        console.print(f"wrote {args.out} ({escape(result.best.spec)})")
     return 0
 
 
@@ -170,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", metavar="NAME",
                     help="auto: a preset constraint set (megatron, zero3, dp, nnscaler, alpa, free)")
     pl.add_argument("--top", type=int, default=5, help="auto: how many plans to rank (default 5)")
+    pl.add_argument("--clusters", metavar="A,B,...",
+                    help="auto: search each cluster (specs or YAML paths, comma-separated) and "
+                         "rank their best plans by dollars per million tokens after goodput")
     pl.add_argument("--out", metavar="PLAN_JSON", help="write the plan (auto: the winner) as JSON")
     pl.add_argument("--code", metavar="DIR", help="write rank{r}.py for every rank")
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device")

@@ -21,7 +21,7 @@ from torchweave.lower.steps import P2P
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import validate
 from torchweave.policies import PlanLike, resolve
-from torchweave.search import is_auto
+from torchweave.search import needs_search
 from torchweave.search import resolve as resolve_auto
 from torchweave.runtime.executor import (
     OptimizerFactory, RankModule, StepConfig, default_optimizer,
@@ -125,7 +125,7 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     read, never changed, by planning and lowering).
     """
     graph = _capture(model, example_inputs, micro_batches, precision, graphs)
-    if is_auto(plan):  # searched once, on the whole batch; then built like any plan string
+    if needs_search(plan):  # searched (or solved) once, on the whole batch
         resolved = resolve_auto(plan, graph, world_size)
         plan = resolved.notes["spec"]
     else:
@@ -140,8 +140,8 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     if pipe is not None and pipe.micro_batches > 1 and micro_batches == 1:
         # a pipeline's forward sees one micro-batch: capture that shape, plan again on it
         graph = _capture(model, example_inputs, pipe.micro_batches, precision, graphs)
-        if not isinstance(plan, Plan):
-            resolved = resolve(plan, graph, world_size)
+        if not isinstance(plan, Plan):  # a solved split keeps the whole batch's answer
+            resolved = resolve_auto(plan, graph, world_size, like=resolved)
     validate(resolved, graph, world_size=world_size)
     programs = lower(graph, resolved)
     _check_zero3_order(resolved, programs)

@@ -210,7 +210,7 @@ block keeping only its input."""
 def _leanest(setup: Setup) -> str:
     """Whether the model fits the cluster's devices at all: :data:`LEANEST` on the same
     ranks, and by how much it misses, per device."""
-    from torchweave.policies import resolve
+    from torchweave.search import resolve
     from torchweave.sim.simulate import simulate
 
     n = setup.plan.world_size

@@ -42,7 +42,7 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
 
     from torchweave.api import capture
     from torchweave.plan.show import plan_table, replication_note
-    from torchweave.policies import resolve
+    from torchweave.search import resolve
     from torchweave.train.auto import search_plan
     from torchweave.train.build import build_model
     from torchweave.train.config import is_auto

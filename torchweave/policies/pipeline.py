@@ -45,7 +45,8 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb")
 def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              pp: int | None = None, tp: int = 1, dp: int | None = None, micro: int | None = None,
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
-             cuts: list[int] | None = None, recycle: int = 1) -> Plan:
+             cuts: list[int] | None = None, recycle: int = 1,
+             dims: dict[str, str | None] | None = None) -> Plan:
     """A pipelined plan: ``pp`` groups of ``dp * tp`` devices, ``micro`` micro-batches.
 
     Defaults: ``dp = world_size / (pp * tp)`` when ``pp`` is given, else 1;
@@ -53,7 +54,8 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     for ``interleaved`` (else 1), ``micro = 2 * pp``. ``cuts``, when given, are
     the graph positions where stages 1, 2, … start (instead of the FLOP-balanced cut).
     ``recycle`` > 1: that many forward passes per micro-batch, linked as the
-    model's ``recycle`` attribute says (see :func:`with_recycle`).
+    model's ``recycle`` attribute says (see :func:`with_recycle`). ``dims``: each
+    node's split on ``tp`` inside a stage (see :func:`~torchweave.policies.tensor.tp`).
     """
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
@@ -81,7 +83,7 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
         check_stage_count(stages, pp, virtual)
     micro = micro or 2 * pp
     order = builtin(schedule, pp, virtual, micro)
-    plan = _group_plan(graph, inner, tp, dp, zero)
+    plan = _group_plan(graph, inner, tp, dp, zero, dims)
     stage_of = cut(graph, n_stages) if cuts is None else cut_at(graph, cuts, n_stages)
     mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
     groups = [tuple(range(k * inner, (k + 1) * inner)) for k in range(pp)]
@@ -165,10 +167,11 @@ def interlaced(graph: Graph, world_size: int, *, micro: int | None = None) -> Pl
     return plan
 
 
-def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int) -> Plan:
+def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int,
+                dims: dict[str, str | None] | None = None) -> Plan:
     """The plan of one stage group, on devices ``0 … size-1``."""
     if tp > 1:
-        plan = tp_policy(graph, size, tp_size=tp)
+        plan = tp_policy(graph, size, tp_size=tp, dims=dims)
         plan.zero, plan.zero_axis = zero, ("dp" if zero else None)
         return plan
     return dp_policy(graph, size, zero=zero)

@@ -22,6 +22,9 @@ Options (each policy takes those listed in :data:`OPTIONS`):
 ``recycle``   forward passes per micro-batch (multi-forward pipelines)
 ``recompute`` ``none``, ``full``, ``selective``, or module names ``mlp+attn``
               (:mod:`torchweave.policies.recompute`)
+``split``     how ops split on ``tp`` (``tp`` and pipelines): ``rule`` (Megatron's
+              rules, the default) or ``solved`` (each op's split chosen by the
+              search's solver for the cluster, :mod:`torchweave.search.intra`)
 ``preset``    ``auto`` only: the constraint set the search starts from
               (:mod:`torchweave.search`)
 ============  =================================================================
@@ -44,11 +47,11 @@ from torchweave.policies.recompute import MODES, with_recompute
 from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
-_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute")
+_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "dp": ("dp", "zero", "recompute"),
     "zero1": ("dp", "recompute"), "zero2": ("dp", "recompute"), "zero3": ("dp", "recompute"),
-    "tp": ("tp", "dp", "zero", "recompute"), "sp": ("tp", "dp", "zero", "recompute"),
+    "tp": ("tp", "dp", "zero", "recompute", "split"), "sp": ("tp", "dp", "zero", "recompute"),
     "random": ("recompute",),
     **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
     "interleaved": (*_PIPE, "virtual"),
@@ -57,6 +60,8 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 }
 """The options each built-in policy takes."""
 
+SPLITS = ("rule", "solved")
+"""How ops split on the tensor-parallel axis: Megatron's rules, or the search's solver."""
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -65,6 +70,9 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
     if key == "preset":
         return (value, None) if _MODULE.fullmatch(value) else (
             None, "preset is a preset's name (megatron, zero3, dp, nnscaler, alpa, free)")
+    if key == "split":
+        return (value, None) if value in SPLITS else (
+            None, f"split is one of {', '.join(SPLITS)}")
     if key == "recompute":
         names = value.split("+")
         if value in MODES or all(_MODULE.fullmatch(n) for n in names):
@@ -138,10 +146,26 @@ class PlanSpec:
             return world_size // inner if world_size % inner == 0 else 1
         return 1
 
-    def build(self, graph: Graph, world_size: int) -> Plan:
-        """The Plan on ``graph`` for ``world_size`` ranks."""
+    @property
+    def solved(self) -> bool:
+        """Whether the ops' splits on ``tp`` are the search solver's (``split=solved``)."""
+        return self.options.get("split") == "solved"
+
+    def build(self, graph: Graph, world_size: int, *,
+              dims: dict[str, str | None] | None = None) -> Plan:
+        """The Plan on ``graph`` for ``world_size`` ranks (``dims``: each node's split on
+        ``tp``, what ``split=solved`` needs: :func:`torchweave.search.resolve` gives it)."""
         o = dict(self.options)
         recompute = o.pop("recompute", None)
+        split = o.pop("split", "rule")
+        if split == "rule":
+            dims = None
+        elif dims is None:
+            raise TorchweaveError(Problem(
+                obj=f"plan {self.text!r}", value="split=solved",
+                rule="a solved split is found by the search's solver, which needs a cluster",
+                fix="use torchweave.search.resolve (parallelize, verify, simulate, explain and "
+                    "torchweave plan do)"))
         name = self.policy
         if name in ("dp", "zero1", "zero2", "zero3"):
             dp = o.pop("dp", world_size)
@@ -164,7 +188,8 @@ class PlanSpec:
                     fix=f"choose tp and dp whose product is {world_size}"
                         + (f", or run on {tp * dp} ranks (a cluster of {tp * dp} devices)"
                            if tp and dp and tp * dp > world_size else "")))
-            plan = (tp_policy if name == "tp" else sp_policy)(graph, world_size, tp_size=tp)
+            plan = (tp_policy(graph, world_size, tp_size=tp, dims=dims) if name == "tp"
+                    else sp_policy(graph, world_size, tp_size=tp))
             if o.get("zero"):
                 plan.zero, plan.zero_axis = o["zero"], "dp"
                 plan.name = f"{plan.name}+zero{o['zero']}"
@@ -179,7 +204,7 @@ class PlanSpec:
         elif name == "interlaced":
             plan = interlaced(graph, world_size, micro=o.get("micro"))
         else:
-            plan = pipeline_policy(graph, world_size, schedule=name, **o)
+            plan = pipeline_policy(graph, world_size, schedule=name, dims=dims, **o)
         if recompute is not None:
             with_recompute(plan, graph, recompute)
             if recompute != "none":

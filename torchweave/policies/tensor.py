@@ -74,13 +74,25 @@ def _mesh(world_size: int, tp_size: int | None) -> Mesh:
     return Mesh.of(dp=world_size // tp_size, tp=tp_size)
 
 
-def tp(graph: Graph, world_size: int, *, tp_size: int | None = None) -> Plan:
+def given(dims: dict[str, str | None]):
+    """A rule that splits each node on ``tp`` along ``dims[node]`` (None: whole): a partition
+    decided elsewhere (the search's solver, :mod:`torchweave.search.intra`)."""
+
+    def rule(ctx: Context):
+        return dims.get(ctx.node.name) if ctx.axis == "tp" else DEFAULT
+
+    return rule
+
+
+def tp(graph: Graph, world_size: int, *, tp_size: int | None = None,
+       dims: dict[str, str | None] | None = None) -> Plan:
     """Megatron tensor parallelism over ``tp_size`` devices (default: all), data parallel
-    over the rest."""
+    over the rest; with ``dims``, each node split on ``tp`` as ``dims`` says instead."""
     mesh = _mesh(world_size, tp_size)
     plan = propagate(graph, mesh, inputs=batch_inputs(graph, "dp", mesh.dim("dp")),
-                     rule=megatron, name="tp")
-    plan.notes["policy"] = f"tp(tp_size={mesh.dim('tp')})"
+                     rule=megatron if dims is None else given(dims),
+                     name="tp" if dims is None else "tp-solved")
+    plan.notes["policy"] = f"tp(tp_size={mesh.dim('tp')}{'' if dims is None else ', solved'})"
     return plan
 
 

@@ -2,11 +2,12 @@
 
 - :mod:`~torchweave.search.constraints`: what the search may do, in Python or YAML; presets;
 - :mod:`~torchweave.search.space`: the points a constraint set leaves;
+- :mod:`~torchweave.search.intra`: each op's split within a stage, by an ILP (``split=solved``);
 - :mod:`~torchweave.search.estimate`: the search's own cost model;
 - :mod:`~torchweave.search.search`: estimate every point, simulate the best, rank.
 
-:func:`resolve` is :func:`torchweave.policies.resolve` that also takes ``auto`` and
-``auto:preset=NAME``.
+:func:`resolve` is :func:`torchweave.policies.resolve` that also takes ``auto``,
+``auto:preset=NAME`` and plan strings with ``split=solved``.
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ from torchweave.plan.plan import Plan
 from torchweave.policies import PlanLike
 from torchweave.policies import resolve as resolve_policy
 from torchweave.search.constraints import Constraints, Degrees, OpRule, load_constraints, preset, preset_names
+from torchweave.search.intra import Partition, solve, tp_dims
 from torchweave.search.search import Ranked, SearchResult, search
 from torchweave.sim.cluster import Cluster, cluster_of
 from torchweave.sim.devices import lookup
 
 
 def is_auto(plan: object) -> bool:
+    """Whether ``plan`` is ``auto`` (``auto:preset=NAME``): the search picks the plan."""
     return isinstance(plan, str) and (plan.strip() == "auto" or plan.strip().startswith("auto:"))
+
+
+def needs_search(plan: object) -> bool:
+    """Whether ``plan`` needs this layer to resolve: ``auto``, or a plan string whose ops'
+    splits the solver chooses (``split=solved``)."""
+    return is_auto(plan) or (isinstance(plan, str) and "split=solved" in plan.replace(" ", ""))
 
 
 def local_cluster(world_size: int) -> Cluster:
@@ -39,15 +48,30 @@ def local_cluster(world_size: int) -> Cluster:
 
 
 def resolve(plan: PlanLike, graph: Graph, world_size: int, *, cluster: Cluster | None = None,
-            constraints: Constraints | str | None = None) -> Plan:
+            constraints: Constraints | str | None = None, like: Plan | None = None) -> Plan:
     """A Plan from anything :func:`torchweave.policies.resolve` takes, or ``auto``
     (``auto:preset=megatron``): the search's best plan on ``cluster`` (default: this
-    machine as ``world_size`` ranks)."""
-    if not is_auto(plan):
+    machine as ``world_size`` ranks); or a plan string with ``split=solved``, its ops'
+    splits solved for ``cluster`` (or taken from ``like``, the same plan on another
+    capture of the model: a pipeline's micro-batch)."""
+    if not needs_search(plan):
         return resolve_policy(plan, graph, world_size)
     from torchweave.policies.spec import PlanSpec
 
     spec = PlanSpec.parse(plan)
+    if spec.policy != "auto":
+        if like is not None:
+            dims = tp_dims(like, graph)
+        else:
+            tp = spec.options.get("tp", 1)
+            rules = (constraints if isinstance(constraints, Constraints) else
+                     preset(constraints) if constraints else Constraints()).ops
+            part = solve(graph, cluster or local_cluster(world_size), tp=tp, world=world_size,
+                         rules=rules)
+            dims = part.dims
+        built = spec.build(graph, world_size, dims=dims)
+        built.notes["spec"] = spec.text
+        return built
     chosen = constraints or spec.options.get("preset") or "free"
     result = search(graph, cluster or local_cluster(world_size), chosen, world_size=world_size,
                     top=1)
@@ -57,5 +81,5 @@ def resolve(plan: PlanLike, graph: Graph, world_size: int, *, cluster: Cluster |
     return best
 
 
-__all__ = ["Constraints", "Degrees", "OpRule", "Ranked", "SearchResult", "is_auto", "load_constraints",
-           "local_cluster", "preset", "preset_names", "resolve", "search"]
+__all__ = ["Constraints", "Degrees", "OpRule", "Partition", "Ranked", "SearchResult", "is_auto", "load_constraints",
+           "local_cluster", "needs_search", "preset", "preset_names", "resolve", "search", "solve"]

@@ -18,6 +18,7 @@ YAML file in ``torchweave/search/presets/`` (:func:`preset`):
     recompute: [none, selective, full]
     zero: [0, 1]
     sp: true                  # tensor parallelism may shard the sequence between ops
+    split: [rule, solved]     # ops split on tp by Megatron's rules, by the solver, or both
     memory_gib: 70            # per device (default: the device's memory)
     ops:                      # rules on ops, each selecting by type, module or name
       - {module: "blocks.*.attn.*", parts: [1, 2, 4, 8]}
@@ -45,9 +46,11 @@ from torchweave.errors import Problem, TorchweaveError
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved", "zb")
 """``none``: no pipeline (pp = 1); the others are the pipeline schedules."""
 RECOMPUTE = ("none", "selective", "full")
+SPLITS = ("rule", "solved")
+"""``rule``: Megatron's splits; ``solved``: each op's split chosen by :mod:`~torchweave.search.intra`."""
 PRESET_DIR = Path(__file__).with_name("presets")
 TOP_KEYS = ("preset", "tp", "pp", "dp", "micro", "virtual", "schedules", "recompute", "zero",
-            "sp", "memory_gib", "ops", "cuts", "pin", "ties", "description")
+            "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
 OP_KEYS = ("type", "module", "name", "split", "parts", "replicate")
 RANGE_KEYS = ("min", "max", "powers_of_two")
 
@@ -121,6 +124,7 @@ class Constraints:
     recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] = (0, 1, 2, 3)
     sp: bool = True
+    split: tuple[str, ...] = SPLITS
     memory_gib: float | None = None
     ops: tuple[OpRule, ...] = ()
     cuts: tuple[str, ...] | None = None
@@ -239,6 +243,8 @@ class _Reader:
                                                              ("0", "1", "2", "3")))
         if "sp" in items:
             out["sp"] = self.boolean(items["sp"], "sp")
+        if "split" in items:
+            out["split"] = tuple(self.choices(items["split"], "split", SPLITS))
         if "memory_gib" in items:
             v = _plain(items["memory_gib"])
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
@@ -379,5 +385,5 @@ def _plain(node) -> Any:
     return yaml.safe_load(yaml.serialize(node)) if node is not None else None
 
 
-__all__ = ["ANY", "Constraints", "Degrees", "OpRule", "RECOMPUTE", "SCHEDULE_NAMES",
+__all__ = ["ANY", "Constraints", "Degrees", "OpRule", "RECOMPUTE", "SCHEDULE_NAMES", "SPLITS",
            "load_constraints", "preset", "preset_names"]

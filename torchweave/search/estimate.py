@@ -1,6 +1,7 @@
 """The search's own cost model: every point of the space priced in microseconds of CPU.
 
-For each tensor-parallel way of splitting a block — ``(tp, sp, recompute)`` — the
+For each tensor-parallel way of splitting a block — ``(tp, sp, recompute, split)``, the
+split being Megatron's rules or the solver's partition (:mod:`~torchweave.search.intra`) — the
 event simulator runs once on a **proxy**: the model cut to 3 and to 4 of its
 identical blocks (:func:`torchweave.sim.fold.cut`), planned with that split
 alone on ``tp`` devices of the target cluster. The difference is one block: its
@@ -90,12 +91,14 @@ def sub_cluster(cluster: Cluster, n: int) -> Cluster:
 
 
 def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, recompute: str, *,
-          dtype, precision: str) -> Proxy:
+          dtype, precision: str, dims: dict[str, str | None] | None = None) -> Proxy:
     """The proxy of ``(tp, sp, recompute)``; raises the policy's error where the split
     does not apply to the model (e.g. heads not divisible by tp)."""
     text = ("dp" if tp == 1 else f"{'sp' if sp else 'tp'}:tp={tp},dp=1") + (
         "" if recompute == "none" else (":" if tp == 1 else ",") + f"recompute={recompute}")
-    plan = PlanSpec.parse(text).build(graph, tp)
+    if dims is not None:
+        text += ",split=solved"
+    plan = PlanSpec.parse(text).build(graph, tp, dims=dims)
     small = sub_cluster(cluster, tp)
     runs = []
     for k in (3, 4):

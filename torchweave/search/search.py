@@ -3,8 +3,11 @@
 1. **The space** (:mod:`torchweave.search.space`): every (tp, pp, dp, micro,
    schedule, virtual, recompute, ZeRO, sp) point the constraints allow whose
    arithmetic works for the world, the batch and the blocks.
-2. **Proxies**: one short simulation per way of splitting a block (tp, sp,
-   recompute) gives one block's and the rest's cost
+2. **Partitions**: for each ``tp`` where the constraints allow ``split: solved``,
+   the solver (:mod:`torchweave.search.intra`, an ILP) picks each op's split;
+   a partition equal to Megatron's rules adds nothing and is dropped.
+   **Proxies**: one short simulation per way of splitting a block (tp, sp,
+   recompute, split) gives one block's and the rest's cost
    (:mod:`torchweave.search.estimate`); a split the model refuses or an op rule
    forbids takes its points out, with the reason. Degrees are tried in
    increasing order while they make a block faster: once a degree is no faster
@@ -38,6 +41,7 @@ from torchweave.plan.plan import Plan
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.constraints import Constraints, OpRule, preset
 from torchweave.search.estimate import Estimate, Proxy, estimate, proxy
+from torchweave.search.intra import Partition, describe, solve, tp_dims
 from torchweave.search.space import Point, points
 from torchweave.sim.cluster import Cluster
 from torchweave.sim.fold import find_blocks
@@ -143,21 +147,29 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
         f"{len(blocks) if blocks else 'no'} repeated blocks")
     ests: dict[Point, Estimate] = {}
     over: list[tuple[str, float]] = []
+    parts: dict[int, Partition | None] = {}
+    notes: list[str] = []
+    for tp in sorted({p.tp for p in pts if p.split == "solved"}):
+        say(f"solve each op's split for tp={tp}")
+        parts[tp] = _solve(graph, cluster, tp, world, c, dtype, excluded, notes)
+    pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
     if blocks is not None:
         proxies: dict[tuple, Proxy | None] = {}
         best_block, stop = math.inf, None
-        for key in sorted({(p.tp, p.sp, p.recompute) for p in pts}):
+        for key in sorted({(p.tp, p.sp, p.recompute, p.split) for p in pts}):
             if stop is not None and key[0] > stop:
                 proxies[key] = None
                 continue
-            if key[0] > 1 and key[1:] == (False, "none") and stop is None:
+            if key[0] > 1 and key[1:] == (False, "none", "rule") and stop is None:
                 # Larger degrees are tried while they make a block faster.
                 prev = min((x.block_s for k, x in proxies.items() if x and k[0] < key[0]),
                            default=math.inf)
                 best_block = prev
-            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]}")
+            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]}")
+            part = parts.get(key[0]) if key[3] == "solved" else None
             try:
-                px = proxy(graph, blocks, cluster, *key, dtype=dtype, precision=precision)
+                px = proxy(graph, blocks, cluster, *key[:3], dtype=dtype, precision=precision,
+                           dims=part.dims if part else None)
             except TorchweaveError as exc:
                 excluded.append(f"tp={key[0]}{' (sp)' if key[1] else ''}: "
                                 + "; ".join(f"{p.value}: {p.rule}" for p in exc.problems))
@@ -169,12 +181,12 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
                 proxies[key] = None
                 continue
             proxies[key] = px
-            if key[1:] == (False, "none") and key[0] > 1 and px.block_s >= best_block:
+            if key[1:] == (False, "none", "rule") and key[0] > 1 and px.block_s >= best_block:
                 stop = key[0]
                 excluded.append(f"tp > {key[0]}: not tried; tp={key[0]} is no faster per block "
                                 f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
         for pt in pts:
-            px = proxies[(pt.tp, pt.sp, pt.recompute)]
+            px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split)]
             if px is None:
                 continue
             e = estimate(pt, px, cluster, len(blocks), precision=precision)
@@ -194,7 +206,8 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     for i, pt in enumerate(chosen):
         say(f"simulate {i + 1}/{len(chosen)}: {pt.spec}")
         try:
-            plan = PlanSpec.parse(pt.spec).build(graph, world)
+            part = parts.get(pt.tp) if pt.split == "solved" else None
+            plan = PlanSpec.parse(pt.spec).build(graph, world, dims=part.dims if part else None)
         except TorchweaveError as exc:
             excluded.append(f"{pt.spec}: " + "; ".join(p.rule for p in exc.problems))
             continue
@@ -216,7 +229,32 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     reference = next((r for r in ranked if _in(mega, r.point)), None)
     over.sort(key=lambda x: (x[1], x[0]))
     return SearchResult(ranked[:max(top, 1)] if top else ranked, len(pts), excluded, over[:5], c,
-                        cluster, time.perf_counter() - t0, reference)
+                        cluster, time.perf_counter() - t0, reference, notes)
+
+
+def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, c: Constraints, dtype,
+           excluded: list[str], notes: list[str]) -> Partition | None:
+    """The solver's partition for ``tp``; None (and why, in ``excluded``) where it is
+    Megatron's own or the constraints leave none. ``notes`` gets how it differs from
+    Megatron's."""
+    try:
+        part = solve(graph, cluster, tp=tp, world=world, dtype=dtype, rules=c.ops)
+    except TorchweaveError as exc:
+        excluded.append(f"split=solved, tp={tp}: " + "; ".join(f"{p.obj}: {p.rule}"
+                                                              for p in exc.problems))
+        return None
+    try:
+        rule = tp_dims(PlanSpec.parse(f"tp:tp={tp},dp=1").build(graph, tp), graph)
+    except TorchweaveError:
+        return part
+    if rule == part.dims:
+        excluded.append(f"split=solved, tp={tp}: the solver's partition is Megatron's")
+        return None
+    diff = describe(graph, part.dims, rule)
+    notes.append(f"split=solved, tp={tp} ({part.status}, {part.variables} variables, "
+                 f"{part.seconds:.2f} s) splits, unlike Megatron's rules: " + "; ".join(diff[:8])
+                 + (f" (+{len(diff) - 8} more)" if len(diff) > 8 else ""))
+    return part
 
 
 def _batch(graph: Graph) -> int:
@@ -232,6 +270,7 @@ def _in(c: Constraints, pt: Point) -> bool:
     return (c.tp.allows(pt.tp) and c.pp.allows(pt.pp) and c.dp.allows(pt.dp)
             and pt.schedule in c.schedules and pt.recompute in c.recompute and pt.zero in c.zero
             and (c.sp or not pt.sp) and (pt.pp == 1 or c.micro.allows(pt.micro))
+            and (pt.tp == 1 or pt.split in c.split)
             and (pt.schedule != "interleaved" or c.virtual.allows(pt.virtual)))
 
 

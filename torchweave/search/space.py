@@ -28,11 +28,15 @@ class Point:
     recompute: str
     zero: int
     sp: bool
+    split: str = "rule"
+    """How ops split on ``tp``: ``rule`` (Megatron's) or ``solved`` (:mod:`~torchweave.search.intra`)."""
 
     @property
     def spec(self) -> str:
         """The plan string that builds this point."""
         rec = f"recompute={self.recompute}" if self.recompute != "none" else ""
+        if self.split != "rule":
+            rec = ",".join(x for x in (rec, f"split={self.split}") if x)
         if self.schedule == "none":
             if self.tp == 1:
                 base = "dp" if self.zero == 0 else f"zero{self.zero}"
@@ -69,13 +73,14 @@ def points(world: int, batch: int, blocks: int, c: Constraints) -> tuple[list[Po
             if pp == 1:
                 if "none" not in c.schedules:
                     continue
-                sps = [False] + ([True] if c.sp and tp > 1 else [])
+                kinds = ([(False, s) for s in c.split] + ([(True, "rule")] if c.sp else [])
+                         if tp > 1 else [(False, "rule")])
                 for zero in c.zero:
                     if zero == 3 and tp > 1:
                         continue  # ZeRO-3 is the data-parallel policy's (zero3)
                     for rec in c.recompute:
-                        for sp in sps:
-                            out.append(Point(tp, 1, dp, 1, "none", 1, rec, zero, sp))
+                        for sp, split in kinds:
+                            out.append(Point(tp, 1, dp, 1, "none", 1, rec, zero, sp, split))
                 continue
             if not blocks:
                 continue
@@ -90,7 +95,9 @@ def points(world: int, batch: int, blocks: int, c: Constraints) -> tuple[list[Po
                             continue
                         for zero in (z for z in c.zero if z <= 1):
                             for rec in c.recompute:
-                                out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False))
+                                for split in (c.split if tp > 1 else ("rule",)):
+                                    out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False,
+                                                     split))
     if tps and not out:
         why.append(f"no (tp, pp, dp, micro) in the constraints fits {world} ranks, a batch of "
                    f"{batch} and {blocks} blocks: tp {c.tp}, pp {c.pp}, dp {c.dp}, "

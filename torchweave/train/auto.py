@@ -17,7 +17,7 @@ import torch
 
 from torchweave.api import capture
 from torchweave.ir.graph import Graph
-from torchweave.policies import resolve
+from torchweave.search import resolve
 from torchweave.sim.cluster import cluster_of
 from torchweave.sim.devices import lookup
 from torchweave.sim.simulate import simulate
