@@ -123,8 +123,18 @@ def test_an_op_rule_takes_out_the_splits_it_forbids() -> None:
     c = Constraints(tp=Degrees(only=(1, 2, 4)), schedules=("none",), zero=(0,),
                     recompute=("none",), ops=(OpRule(module="blocks.*.attn.*", parts=(1, 2)),))
     res = search(_gpt(), parse_cluster("8xA100-80GB-SXM"), c, top=10)
-    assert {r.point.tp for r in res.ranked} <= {1, 2}
+    assert {r.point.tp for r in res.ranked if r.point.split == "rule"} <= {1, 2}
     assert any("tp=4" in e and "allows [1, 2]" in e for e in res.excluded), res.excluded
+    # the solver keeps the rule: at tp=4 it leaves attention whole
+    g, seen = _gpt(), 0
+    for r in res.ranked:
+        if r.point.tp == 4:
+            assert r.point.split == "solved"
+            for node in g.nodes:
+                if c.ops[0].selects(node):
+                    seen += 1
+                    assert r.plan.transforms(node.name)[-1].dim is None, node.name
+    assert seen, "a solved tp=4 plan is among the ten"
 
 
 def test_constraints_no_plan_satisfies_name_the_conflict() -> None:
@@ -133,11 +143,19 @@ def test_constraints_no_plan_satisfies_name_the_conflict() -> None:
     g = _gpt(heads=6, d=192)
     sdpa = "aten.scaled_dot_product_attention.default"
     c = Constraints(tp=Degrees(only=(4,)), pp=Degrees(only=(1,)), schedules=("none",),
-                    ops=(OpRule(type=sdpa, replicate=False),))
+                    split=("rule",), ops=(OpRule(type=sdpa, replicate=False),))
     with pytest.raises(TorchweaveError) as exc:
         search(g, parse_cluster("8xA100-80GB-SXM"), c)
     text = str(exc.value)
     assert "tp=4 keeps it whole" in text and "scaled_dot_product_attention" in text
+    # The solver may split attention along its value width instead (32 / 4); held to the
+    # heads, it names the op, the sizes and the degree.
+    assert search(g, parse_cluster("8xA100-80GB-SXM"), c.with_(split=("solved",))).ranked
+    held = c.with_(split=("solved",), ops=(OpRule(type=sdpa, replicate=False, split=("h",)),))
+    with pytest.raises(TorchweaveError) as exc:
+        search(g, parse_cluster("8xA100-80GB-SXM"), held)
+    text = str(exc.value)
+    assert "scaled_dot_product_attention" in text and "h=6" in text and "by 4" in text
     # With 8 heads the same constraints are met.
     assert search(_gpt(), parse_cluster("8xA100-80GB-SXM"), c).best.point.tp == 4
 

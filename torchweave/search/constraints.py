@@ -42,12 +42,11 @@ from typing import Any
 import yaml
 
 from torchweave.errors import Problem, TorchweaveError
+from torchweave.policies.spec import SPLITS
 
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved", "zb")
 """``none``: no pipeline (pp = 1); the others are the pipeline schedules."""
 RECOMPUTE = ("none", "selective", "full")
-SPLITS = ("rule", "solved")
-"""``rule``: Megatron's splits; ``solved``: each op's split chosen by :mod:`~torchweave.search.intra`."""
 PRESET_DIR = Path(__file__).with_name("presets")
 TOP_KEYS = ("preset", "tp", "pp", "dp", "micro", "virtual", "schedules", "recompute", "zero",
             "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
