@@ -83,7 +83,7 @@ def test_every_point_covers_the_world_and_splits_batch_and_blocks() -> None:
         assert 8 % (p.pp * p.virtual) == 0
         assert p.pp == 1 or p.micro >= p.pp
     kinds = {p.schedule for p in pts}
-    assert kinds == {"none", "gpipe", "1f1b", "interleaved", "zb"}
+    assert kinds == {"none", "gpipe", "1f1b", "interleaved", "zb", "interlaced"}
     assert all(_in(preset("free"), p) for p in pts)
     assert {p.spec for p in points(8, 16, 8, preset("zero3"))[0]} == {
         "zero3", "zero3:recompute=selective", "zero3:recompute=full"}
@@ -220,3 +220,15 @@ def test_auto_finds_the_optimum_of_a_space_small_enough_to_enumerate() -> None:
         best = min(best, simulate(g, plan, cluster, timeline=False).step_time)
     found = search(g, cluster, "free").best.result.step_time
     assert found <= best * 1.02, (found, best)
+
+
+def test_interlaced_pipelines_are_in_the_free_space_and_simulated_directly() -> None:
+    from torchweave.search.space import interlaced_points
+
+    pts = interlaced_points(8, 32, 8, preset("free"))
+    assert [p.spec for p in pts] == ["interlaced:micro=8", "interlaced:micro=16"]
+    assert not interlaced_points(8, 32, 4, preset("free"))  # fewer blocks than devices
+    assert not interlaced_points(8, 32, 8, preset("megatron"))
+    res = search(_gpt(), parse_cluster("8xA100-80GB-SXM"), "free", top=0, simulate_top=4)
+    got = [r for r in res.ranked if r.point.schedule == "interlaced"]
+    assert got and all(r.estimate is None and r.plan.pipeline.kind == "interlaced" for r in got)

@@ -44,8 +44,10 @@ import yaml
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.policies.spec import SPLITS
 
-SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved", "zb")
-"""``none``: no pipeline (pp = 1); the others are the pipeline schedules."""
+SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved", "zb", "interlaced")
+"""``none``: no pipeline (pp = 1); the others are the pipeline schedules (``interlaced``:
+embeddings and head tensor-parallel over every device, the blocks pipelined one stage
+per device; :func:`torchweave.policies.pipeline.interlaced`)."""
 RECOMPUTE = ("none", "selective", "full")
 PRESET_DIR = Path(__file__).with_name("presets")
 TOP_KEYS = ("preset", "tp", "pp", "dp", "micro", "virtual", "schedules", "recompute", "zero",

@@ -38,6 +38,7 @@ import torch
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
+from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.constraints import Constraints, OpRule, preset
 from torchweave.search.estimate import Estimate, Proxy, estimate, proxy
@@ -142,7 +143,8 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     batch = _batch(graph)
     base = PlanSpec.parse("dp").build(graph, 1)
     blocks = find_blocks(graph, base, least=4)
-    pts, excluded = points(world, batch, len(blocks) if blocks else 0, c)
+    numbered = len({k for k in (block_of(n.module or "") for n in graph.nodes) if k})
+    pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered)
     say(f"{len(pts)} points in the space ({c.name}) for {world} ranks, batch {batch}, "
         f"{len(blocks) if blocks else 'no'} repeated blocks")
     ests: dict[Point, Estimate] = {}
@@ -185,7 +187,10 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
                 stop = key[0]
                 excluded.append(f"tp > {key[0]}: not tried; tp={key[0]} is no faster per block "
                                 f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
+        direct = [pt for pt in pts if pt.schedule == "interlaced"]  # no estimate: simulated
         for pt in pts:
+            if pt.schedule == "interlaced":
+                continue
             px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split)]
             if px is None:
                 continue
@@ -200,6 +205,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
         ref = _reference(order)
         if ref is not None and ref not in chosen:
             chosen.append(ref)
+        chosen += direct
     else:
         chosen = list(pts)
     ranked: list[Ranked] = []

@@ -34,6 +34,8 @@ class Point:
     @property
     def spec(self) -> str:
         """The plan string that builds this point."""
+        if self.schedule == "interlaced":
+            return f"interlaced:micro={self.micro}"
         rec = f"recompute={self.recompute}" if self.recompute != "none" else ""
         if self.split != "rule":
             rec = ",".join(x for x in (rec, f"split={self.split}") if x)
@@ -55,10 +57,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def points(world: int, batch: int, blocks: int, c: Constraints) -> tuple[list[Point], list[str]]:
+def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int | None = None
+           ) -> tuple[list[Point], list[str]]:
     """Every point of the space for ``world`` ranks, a global batch of ``batch`` samples and
-    ``blocks`` repeated blocks (0: no pipelines); and why the degrees the constraints
-    allow are left out, where all of some degree is."""
+    ``blocks`` repeated blocks (0: no pipelines; ``numbered``: the model's numbered blocks,
+    identical or not, which the interlaced pipeline spreads over the devices; default
+    ``blocks``); and why the degrees the constraints allow are left out, where all of some
+    degree is."""
     out: list[Point] = []
     why: list[str] = []
     tps = [t for t in divisors(world) if c.tp.allows(t)]
@@ -84,7 +89,7 @@ def points(world: int, batch: int, blocks: int, c: Constraints) -> tuple[list[Po
                 continue
             if not blocks:
                 continue
-            for sched in (s for s in c.schedules if s != "none"):
+            for sched in (s for s in c.schedules if s not in ("none", "interlaced")):
                 virtuals = [v for v in range(1, blocks // pp + 1)
                             if c.virtual.allows(v)] if sched == "interleaved" else [1]
                 for v in virtuals:
@@ -98,6 +103,7 @@ def points(world: int, batch: int, blocks: int, c: Constraints) -> tuple[list[Po
                                 for split in (c.split if tp > 1 else ("rule",)):
                                     out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False,
                                                      split))
+    out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
     if tps and not out:
         why.append(f"no (tp, pp, dp, micro) in the constraints fits {world} ranks, a batch of "
                    f"{batch} and {blocks} blocks: tp {c.tp}, pp {c.pp}, dp {c.dp}, "
@@ -105,4 +111,19 @@ def points(world: int, batch: int, blocks: int, c: Constraints) -> tuple[list[Po
     return sorted(set(out)), why
 
 
-__all__ = ["Point", "divisors", "points"]
+def interlaced_points(world: int, batch: int, blocks: int, c: Constraints) -> list[Point]:
+    """The interlaced pipeline over every device (one block stage per device, embeddings and
+    head tensor-parallel over all), at the two smallest micro-batch counts of at least the
+    world that the batch and the constraints allow. It has no estimate: the search
+    simulates these points directly, so they are few, and only where every device gets a
+    block (``blocks ≥ world``) on at most 64 devices."""
+    if "interlaced" not in c.schedules or world < 2 or world > 64 or blocks < world:
+        return []
+    if not (c.pp.allows(world) and c.tp.allows(1) and c.dp.allows(1) and 0 in c.zero
+            and "none" in c.recompute):
+        return []
+    micros = [m for m in divisors(batch) if m >= world and c.micro.allows(m)][:2]
+    return [Point(1, world, 1, m, "interlaced", 1, "none", 0, False) for m in micros]
+
+
+__all__ = ["Point", "divisors", "interlaced_points", "points"]
