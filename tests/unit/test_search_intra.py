@@ -148,3 +148,39 @@ def test_the_search_ranks_solved_partitions_beside_megatrons() -> None:
     nn = search(g, fast(8), "nnscaler", top=0, simulate_top=10)
     assert all("split=solved" in r.spec for r in nn.ranked if r.point.tp > 1)
     assert nn.best.result.step_time >= res.best.result.step_time * (1 - 1e-9)  # free ⊇ nnscaler
+
+
+def test_split_solved_from_the_command_line_and_a_train_config(tmp_path, capsys) -> None:
+    from torchweave.cli import main
+    from torchweave.plan.plan import Plan
+    from torchweave.train.config import ParallelConfig
+
+    out = tmp_path / "solved.json"
+    assert main(["plan", "gpt-tiny", "--plan", "tp:tp=2,dp=2,split=solved", "--cluster",
+                 "4xA100-80GB-SXM@4", "--out", str(out)]) == 0
+    plan = Plan.from_json(out.read_text())
+    assert plan.notes["spec"] == "tp:tp=2,dp=2,split=solved" and "solved" in plan.notes["policy"]
+    assert main(["simulate", "gpt-tiny", "--cluster", "4xA100-80GB-SXM@4",
+                 "--plan", "tp:tp=2,dp=2,split=solved", "--plan", "tp:tp=2,dp=2"]) == 0
+    assert "split=solved" in capsys.readouterr().out
+    cfg = ParallelConfig(plan="1f1b:tp=2,pp=2,split=solved", world_size=8, micro_batch=4,
+                         global_batch=8)
+    assert cfg.dp == 2
+
+
+def test_a_folded_block_is_priced_once_per_layer() -> None:
+    """All whole on tp=2 of 2 devices (no data parallelism): the price is every op's forward
+    and backward plus AdamW's pass, summed over all layers, though the blocks are folded."""
+    from torchweave.ops import info
+    from torchweave.sim.cost import ComputeModel, dtype_of, op_time
+
+    cluster = parse_cluster("2xA100-80GB-SXM@2")
+    for layers in (4, 16):
+        g = _gpt(layers=layers)
+        compute = sum(sum(op_time(info(g, n), cluster.device, dtype=dtype_of(g, n)).__dict__[k]
+                          for k in ("fwd", "bwd")) for n in g.nodes)
+        bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
+        adam = 28 / bw * sum(g.values[r.name].meta.numel for n in g.nodes for r in n.input_refs()
+                             if g.values[r.name].kind == "param")
+        whole = price(g, cluster, {n.name: None for n in g.nodes}, tp=2, world=2)
+        assert whole == pytest.approx(compute + adam, rel=1e-9), layers

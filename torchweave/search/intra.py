@@ -125,6 +125,10 @@ class _Model:
             for start, end in blocks.spans[1:]:
                 for i in range(start, end):
                     self.rep[graph.nodes[i].name] = graph.nodes[first + i - start].name
+        self.count: dict[str, int] = {}
+        """How many ops of the graph each representative stands for."""
+        for name in self.rep.values():
+            self.count[name] = self.count.get(name, 0) + 1
         self.producer = graph.producers()
         self.ops: dict[str, _Op] = {}
         problems: list[Problem] = []
@@ -132,8 +136,8 @@ class _Model:
             if self.rep[node.name] != node.name:
                 continue
             op = info(graph, node)
-            taken = {t.dim: t.parts for t in base.transforms(node.name) if t.dim}
-            choices, bad = _choices(node, op, tp, set(taken), rules)
+            taken = {t.dim for t in base.transforms(node.name) if t.dim}
+            choices, bad = _choices(node, op, tp, taken, rules)
             if bad:
                 problems.append(bad)
                 continue
@@ -163,6 +167,10 @@ class _Model:
         return 0.0
 
     def node_cost(self, name: str, choice: str | None) -> float:
+        """Seconds per step of every op ``name`` stands for, under ``choice``."""
+        return self.count[name] * self._one(name, choice)
+
+    def _one(self, name: str, choice: str | None) -> float:
         o = self.ops[name]
         own = o.compute if choice is None else o.compute / self.tp
         for k, ref in enumerate(o.node.input_refs()):
@@ -178,7 +186,10 @@ class _Model:
         return own
 
     def memory(self, name: str, choice: str | None) -> float:
-        """Bytes a device holds for this op: its parameters' state and its outputs."""
+        """Bytes a device holds for every op ``name`` stands for: parameters' state, outputs."""
+        return self.count[name] * self._held(name, choice)
+
+    def _held(self, name: str, choice: str | None) -> float:
         o = self.ops[name]
         total = 0.0
         for k, ref in enumerate(o.node.input_refs()):
@@ -316,10 +327,7 @@ def solve(graph: Graph, cluster: Cluster, *, tp: int, world: int, dtype: torch.d
         row([(col[(name, ch)], 1.0) for ch in m.ops[name].choices], 1.0, 1.0)
     binary = len(cost)
     if memory is not None:
-        count = {}
-        for node in graph.nodes:
-            count[m.rep[node.name]] = count.get(m.rep[node.name], 0) + 1
-        row([(col[(name, ch)], count[name] * m.memory(name, ch))
+        row([(col[(name, ch)], m.memory(name, ch))
              for name in names for ch in m.ops[name].choices], 0.0, memory)
     for p, j, c, k, value, n in m.edges():
         pa, cb = m.ops[p].choices, m.ops[c].choices
@@ -357,8 +365,8 @@ def solve(graph: Graph, cluster: Cluster, *, tp: int, world: int, dtype: torch.d
             least = sum(min(m.memory(n, ch) for ch in m.ops[n].choices) for n in names)
             raise TorchweaveError(Problem(
                 obj=f"partition search tp={tp} of {world}", value=f"{memory / 2**30:.2f} GiB",
-                rule=f"some partition fits the memory budget (the leanest per op needs about "
-                     f"{least / 2**30:.2f} GiB before blocks repeat)",
+                rule=f"some partition fits the memory budget (the leanest choice of every op "
+                     f"needs about {least / 2**30:.2f} GiB)",
                 fix="raise the budget, or use more tensor, pipeline or ZeRO parallelism"))
         raise TorchweaveError(Problem(obj=f"partition search tp={tp} of {world}", value=res.message,
                                       rule="the program has a solution within the time limit",
