@@ -132,11 +132,10 @@ def main() -> int:
             rows.append(f"| {name} | {spec} | {inputs[0].shape[0]} | {p} | `{spec_}` | {step:.4g} | "
                         f"{secs:.1f} | {ratio('megatron') if p == 'free' else ''} | "
                         f"{ratio('nnscaler') if p == 'free' else ''} |")
-    text = "\n".join(rows) + "\n"
-    print(text)
-    if args.readme:
-        write_section("search-quality", "python bench/search_quality.py " + " ".join(sys.argv[1:]),
-                      text, path=DOC)
+        if args.readme:  # after every model, so that a long run keeps what it has
+            write_section("search-quality", "python bench/search_quality.py "
+                          + " ".join(sys.argv[1:]), "\n".join(rows) + "\n", path=DOC)
+    print("\n".join(rows))
     return 0
 
 

@@ -114,3 +114,23 @@ def test_an_invalid_plan_is_named_for_the_model_as_it_is() -> None:
         simulate(g, plan, parse_cluster("64xA100-80GB-SXM@8"), fold=True, timeline=False)
     assert "gpt-24x128" in str(err.value) and "of 24" not in str(err.value)
     assert "zero=3 with a pipeline" in str(err.value)
+
+
+@pytest.mark.parametrize("spec", ["1f1b:pp=4,tp=2,dp=8,micro=8,split=solved",
+                                  "interleaved:pp=2,tp=4,dp=8,micro=8,virtual=2,split=solved"])
+def test_solved_splits_take_the_fast_path_and_agree(spec: str) -> None:
+    """The solver's partitions gather, scatter and exchange on the tensor-parallel group
+    inside each stage; that is no data moving between replicas, so the fast path applies."""
+    from tests.unit.test_search_intra import fast as free_links
+    from torchweave.search import resolve as search_resolve
+    from torchweave.search.intra import tp_dims
+
+    g = _gpt()
+    plan = search_resolve(spec, g, 64, cluster=free_links(64))  # solved to split everything
+    rule = resolve(spec.replace(",split=solved", ""), g, 64)
+    assert tp_dims(plan, g) != tp_dims(rule, g)
+    cluster = parse_cluster("64xA100-80GB-SXM@8")
+    fast = simulate(g, plan, cluster, dtype=torch.bfloat16, fold=True, timeline=False)
+    exact = simulate(g, plan, cluster, dtype=torch.bfloat16, fold=False, timeline=False)
+    assert fast.folded_blocks == 24 and exact.folded_blocks is None
+    _close(fast, exact)

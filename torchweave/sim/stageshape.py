@@ -223,11 +223,13 @@ def lift(programs: list[Program], shape: StageShape) -> list[Program] | None:
                                      shapes=tuple((rank(d), s) for d, s in st.shapes),
                                      grad_scale=tuple((rank(d), s) for d, s in st.grad_scale))
                     elif hasattr(st, "groups"):
-                        lifted = groups(st.groups)
-                        if lifted != tuple(st.groups) and shape.keep != shape.dp and not isinstance(
+                        # a group that grows when lifted spans replicas: only sums may (data
+                        # parallelism's); any other collective there moves data between them
+                        grown = any(len(group(x)) != len(x) for x in st.groups)
+                        if grown and not isinstance(
                                 st, (steps.AllReduce, steps.GradAllReduce, steps.Split)):
                             return None  # data moves between replicas: not data parallel
-                        st = replace(st, groups=lifted)
+                        st = replace(st, groups=groups(st.groups))
                     elif isinstance(st, steps.Narrow):
                         st = replace(st, boxes=tuple((rank(d), b) for d, b in st.boxes))
                     ins = replace(ins, step=st)
