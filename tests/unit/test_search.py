@@ -232,3 +232,25 @@ def test_interlaced_pipelines_are_in_the_free_space_and_simulated_directly() -> 
     res = search(_gpt(), parse_cluster("8xA100-80GB-SXM"), "free", top=0, simulate_top=4)
     got = [r for r in res.ranked if r.point.schedule == "interlaced"]
     assert got and all(r.estimate is None and r.plan.pipeline.kind == "interlaced" for r in got)
+
+
+def test_a_candidate_lowering_refuses_is_left_out_with_why(monkeypatch) -> None:
+    """One plan the simulator cannot take (lowering refuses it) must not end the search."""
+    import importlib
+
+    from torchweave.errors import Problem
+
+    s = importlib.import_module("torchweave.search.search")  # the module, not the function
+    real = s.simulate
+
+    def refusing(graph, plan, *a, **k):
+        if plan.pipeline is not None:
+            raise TorchweaveError(Problem(obj="value x", value="AllGather across stage groups",
+                                          rule="values cross between stage groups by "
+                                               "point-to-point transfers only"))
+        return real(graph, plan, *a, **k)
+
+    monkeypatch.setattr(s, "simulate", refusing)
+    res = search(_gpt(), parse_cluster("8xA100-80GB-SXM"), "megatron", top=3)
+    assert res.ranked and all(r.plan.pipeline is None for r in res.ranked)
+    assert any("across stage groups" in e for e in res.excluded)

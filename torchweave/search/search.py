@@ -221,7 +221,11 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
         if bad:
             excluded.append(f"{pt.spec}: {bad}")
             continue
-        res = simulate(graph, plan, cluster, dtype=dtype, timeline=False)
+        try:  # lowering may still refuse a plan the space allows: it is left out, with why
+            res = simulate(graph, plan, cluster, dtype=dtype, timeline=False)
+        except TorchweaveError as exc:
+            excluded.append(f"{pt.spec}: " + "; ".join(f"{p.value}: {p.rule}" for p in exc.problems))
+            continue
         peak = max(m.peak for m in res.memory)
         if peak > budget:
             over.append((pt.spec, (peak - budget) / GiB))
