@@ -133,10 +133,25 @@ def main() -> int:
                         f"{secs:.1f} | {ratio('megatron') if p == 'free' else ''} | "
                         f"{ratio('nnscaler') if p == 'free' else ''} |")
         if args.readme:  # after every model, so that a long run keeps what it has
-            write_section("search-quality", "python bench/search_quality.py "
-                          + " ".join(sys.argv[1:]), "\n".join(rows) + "\n", path=DOC)
+            write_section("search-quality", "python bench/search_quality.py --readme "
+                          "(rows of other models kept from earlier runs with --only)",
+                          "\n".join(_merged(rows)) + "\n", path=DOC)
     print("\n".join(rows))
     return 0
+
+
+def _merged(rows: list[str]) -> list[str]:
+    """This run's table rows, with the rows of models it did not run kept from the table in
+    docs/search.md (a run with ``--only`` redoes some rows), in :data:`CASES` order."""
+    text = DOC.read_text()
+    begin, end = text.find("<!-- search-quality:begin -->"), text.find("<!-- search-quality:end -->")
+    old = [line for line in text[begin:end].splitlines() if line.startswith("| ")
+           and not line.startswith("| model") and begin >= 0]
+    ran = {r.split(" | ")[0][2:] for r in rows[2:]}
+    kept = [line for line in old if line.split(" | ")[0][2:] not in ran]
+    order = {name: i for i, name in enumerate(CASES)}
+    body = sorted(kept + rows[2:], key=lambda r: order.get(r.split(" | ")[0][2:], len(order)))
+    return rows[:2] + body
 
 
 if __name__ == "__main__":
