@@ -111,3 +111,35 @@ def test_register_annotation_for_an_existing_op() -> None:
         assert check_case(case) == []
     finally:
         del REGISTRY.specs[spec.name]
+
+
+def test_an_ops_info_is_remembered_until_its_annotation_or_registration_changes() -> None:
+    """``ops.info`` is kept on the graph per node (plan builds and lowering ask again and
+    again); an annotation written on the node, or an annotation registered for its op
+    afterwards, is what the next call answers with."""
+    from torchweave.ops import info
+
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.special.erfcx(x).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnannotatedOpWarning)
+        graph = torchweave.capture(M(), (torch.randn(4, 8),))
+    node = next(n for n in graph.nodes if "erfcx" in n.target)
+    first = info(graph, node)
+    assert info(graph, node) is first and first.replicate_only
+    spec = torchweave.register_annotation("aten.special_erfcx", "a b -> a b", replace=True)
+    try:
+        node.annotation = None  # re-annotate from the registry
+        now = info(graph, node)
+        assert now is not first and now.spec is spec and not now.replicate_only
+        node.annotation = "a b -> a b"
+        assert str(info(graph, node).bound) == "a b -> a b"
+    finally:
+        del REGISTRY.specs[spec.name]
+    assert info(graph, node).spec is None  # the registration is gone: asked afresh
+    # a node's flattened arguments are remembered while its args are the same objects
+    assert node.input_refs() and node.input_refs() == node.input_refs()
+    node.args, node.kwargs = (), {}
+    assert node.input_refs() == []

@@ -91,10 +91,22 @@ class Node:
     output_structure: Literal["single", "tuple"] = "single"
     """Whether the op returns one tensor or a sequence of them."""
 
+    def flat(self) -> tuple[tuple[Any, ...], Any]:
+        """``(args, kwargs)`` flattened: the leaves and the tree spec that rebuilds them.
+
+        Remembered while ``args`` and ``kwargs`` are the same objects (capture's rewrites
+        assign new ones): plan builds, lowering and simulation ask for every node many
+        times, and flattening was most of what they spent."""
+        hit = self.__dict__.get("_flat")
+        if hit is not None and hit[0] is self.args and hit[1] is self.kwargs:
+            return hit[2], hit[3]
+        leaves, spec = pytree.tree_flatten((self.args, self.kwargs))
+        self.__dict__["_flat"] = (self.args, self.kwargs, tuple(leaves), spec)
+        return tuple(leaves), spec
+
     def input_refs(self) -> list[Ref]:
         """Tensor inputs in flattened argument order (the annotation's order)."""
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
-        return [leaf for leaf in leaves if isinstance(leaf, Ref)]
+        return [leaf for leaf in self.flat()[0] if isinstance(leaf, Ref)]
 
     @property
     def op(self) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.utils._pytree as pytree
 
 from torchweave.errors import Problem
 from torchweave.ir.graph import Graph, Node, Ref
@@ -145,11 +144,11 @@ class Lowering:
             for d, name in names.items():
                 local_inputs[(k, d)] = name
         outs = self.graph.output_metas(node)
+        leaves, tree = node.flat()
         for d, (p,) in sorted(by_device.items()):
             k = iter(range(len(refs)))
-            args, kwargs = pytree.tree_map(
-                lambda x: LocalRef(local_inputs[(next(k), d)]) if isinstance(x, Ref) else x,
-                (node.args, node.kwargs))
+            args, kwargs = tree.unflatten(
+                [LocalRef(local_inputs[(next(k), d)]) if isinstance(x, Ref) else x for x in leaves])
             out_box = tensor_box(bound, bound.annotation.outputs[0], outs[0].shape, p) if outs else ()
             fn, args, kwargs = local_call(spec, node.target, args, kwargs, bound, out_box, p)
             names = tuple(f"{o}" if o else "" for o in node.outputs)

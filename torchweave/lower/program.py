@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import torch.utils._pytree as pytree
+
 from torchweave.lower.steps import P2P, Box, Group, Step
 from torchweave.plan.schedules import Action
 
@@ -33,6 +35,15 @@ class Compute:
     comment: str = ""
     chunk: tuple[int, int] | None = None
     """Co-shard: (region, piece) — the pieces of a region run one after another."""
+
+    def reads(self) -> list[str]:
+        """Local names this call reads (computed once: the call is immutable)."""
+        hit = self.__dict__.get("_reads")
+        if hit is None:
+            hit = tuple(x.name for x in pytree.tree_leaves((self.args, self.kwargs))
+                        if isinstance(x, LocalRef))
+            object.__setattr__(self, "_reads", hit)
+        return list(hit)
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.utils._pytree as pytree
 
 from torchweave.errors import Problem
 from torchweave.ir.graph import Graph
 from torchweave.lower.messages import check_order, derive
 from torchweave.lower.program import (
-    Boundary, Comm, Compute, Free, Instr, LocalRef, Program, Segment,
+    Boundary, Comm, Compute, Free, Instr, Program, Segment,
 )
 from torchweave.lower.steps import P2P, devices_of
 from torchweave.plan.pipeline import Pipeline, compute_only
@@ -32,7 +31,7 @@ from torchweave.plan.validate import PlanError
 def reads(ins: Instr) -> list[str]:
     """Local names an instruction reads."""
     if isinstance(ins, Compute):
-        return [x.name for x in pytree.tree_leaves((ins.args, ins.kwargs)) if isinstance(x, LocalRef)]
+        return ins.reads()
     if isinstance(ins, Comm):
         return [ins.src]
     return []

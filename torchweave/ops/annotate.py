@@ -71,14 +71,25 @@ def default_flops(spec: OpSpec | None, call: Call, bound: Bound) -> float:
 
 
 def info(graph: Graph, node: Node, registry: Registry = REGISTRY) -> OpInfo:
-    """Annotation, FLOPs and bytes of one node (annotating it if needed)."""
-    call = call_of(graph, node)
+    """Annotation, FLOPs and bytes of one node (annotating it if needed).
+
+    Kept on the graph per node: a captured graph's nodes and tensor metadata do not
+    change, and every plan build, lowering and simulation asks again (a search asks
+    hundreds of thousands of times). The answer is recomputed when the node object, its
+    annotation or the op's registered spec is not the one it was computed for."""
     spec = registry.lookup(node.target)
+    cache = graph.__dict__.setdefault("_op_infos", {})
+    hit = cache.get(node.name)
+    if hit is not None and hit[0] is node and hit[1] == node.annotation and hit[2] is spec:
+        return hit[3]
+    call = call_of(graph, node)
     text = node.annotation or (spec.annotate(call) if spec else _opaque(call))
     bound = bind(text, call.inputs, call.outputs, op=node.target)
     flops = default_flops(spec, call, bound)
     nbytes = sum(m.nbytes for m in call.inputs) + sum(m.nbytes for m in call.outputs)
-    return OpInfo(node, spec, bound, flops, flops * (spec.bwd_factor if spec else 2.0), nbytes)
+    out = OpInfo(node, spec, bound, flops, flops * (spec.bwd_factor if spec else 2.0), nbytes)
+    cache[node.name] = (node, node.annotation, spec, out)
+    return out
 
 
 def annotate(graph: Graph, registry: Registry = REGISTRY) -> list[OpInfo]:

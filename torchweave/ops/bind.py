@@ -31,7 +31,11 @@ class Bound:
     sizes: dict[str, int]
 
     def __str__(self) -> str:
-        return str(self.annotation)
+        text = self.__dict__.get("_text")  # immutable, and written into every lowered call
+        if text is None:
+            text = str(self.annotation)
+            object.__setattr__(self, "_text", text)
+        return text
 
     def dim(self, name: str) -> Dim:
         return self.annotation.dims()[name]
