@@ -143,3 +143,10 @@ def test_an_ops_info_is_remembered_until_its_annotation_or_registration_changes(
     assert node.input_refs() and node.input_refs() == node.input_refs()
     node.args, node.kwargs = (), {}
     assert node.input_refs() == []
+    # what a graph remembers stays behind when it is pickled for the ranks (an op rule's
+    # local function would not pickle) or copied
+    import copy
+    import pickle
+
+    for g in (pickle.loads(pickle.dumps(graph)), copy.deepcopy(graph)):
+        assert "_op_infos" not in g.__dict__ and all("_flat" not in n.__dict__ for n in g.nodes)

@@ -91,6 +91,9 @@ class Node:
     output_structure: Literal["single", "tuple"] = "single"
     """Whether the op returns one tensor or a sequence of them."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        return _without_caches(self.__dict__)
+
     def flat(self) -> tuple[tuple[Any, ...], Any]:
         """``(args, kwargs)`` flattened: the leaves and the tree spec that rebuilds them.
 
@@ -112,6 +115,12 @@ class Node:
     def op(self) -> Any:
         """The callable this node runs."""
         return resolve_target(self.target)
+
+
+def _without_caches(state: dict[str, Any]) -> dict[str, Any]:
+    """An object's state for pickling and copying, less what it remembers (``_``-named:
+    derived from the rest, and not always picklable, e.g. an op rule's local function)."""
+    return {k: v for k, v in state.items() if not k.startswith("_")}
 
 
 def resolve_target(target: str) -> Any:
@@ -137,6 +146,9 @@ class Graph:
     """The value that is the scalar loss, when the model returns one."""
     model_name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _without_caches(self.__dict__)
 
     def params(self) -> list[Value]:
         return [v for v in self.values.values() if v.kind == "param"]

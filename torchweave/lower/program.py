@@ -36,6 +36,9 @@ class Compute:
     chunk: tuple[int, int] | None = None
     """Co-shard: (region, piece) — the pieces of a region run one after another."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_reads"}
+
     def reads(self) -> list[str]:
         """Local names this call reads (computed once: the call is immutable)."""
         hit = self.__dict__.get("_reads")
