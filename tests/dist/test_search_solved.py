@@ -34,3 +34,30 @@ def test_solved_partitions_match_one_device() -> None:
     for case, report in zip(cases, verify_many(cases, world_size=4)):
         assert report.ok, f"{case.name}: {report}"
         assert report.grads and report.params
+
+
+@pytest.mark.dist
+def test_the_large_vocabulary_partition_matches_one_device() -> None:
+    """The solver's nnScaler-like answer for a large vocabulary, priced on A100s: blocks split
+    along the batch on the tp axis (under dp's own batch split: the same dim twice), the
+    embedding and head along the vocabulary, with the exchanges between derived."""
+    import torch
+
+    from torchweave.models.gpt import GPT, GPTConfig
+    from torchweave.sim import parse_cluster
+    from tests.unit.test_search_intra import _batch_dims
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8192, block_size=64, n_layer=2, n_head=4, d_model=256))
+    inputs = (torch.randint(0, 8192, (32, 64)), torch.randint(0, 8192, (32, 64)))
+    graph = capture(model, inputs)
+    plan = resolve("tp:tp=2,dp=2,split=solved", graph, 4, cluster=parse_cluster("4xA100-80GB-SXM@4"))
+    dims, batch = tp_dims(plan, graph), _batch_dims(graph)
+    head = [n for n in graph.nodes if n.module == "lm_head" and n.target == "aten.linear.default"]
+    mm = [n for n in graph.nodes if n.module.startswith("blocks.")
+          and n.target == "aten.linear.default"]
+    assert head and all(dims[n.name] == "n" for n in head)
+    assert mm and all(dims[n.name] in batch[n.name] for n in mm)
+    (report,) = verify_many([Case(model, inputs, plan, steps=2, name="vocab")], world_size=4)
+    assert report.ok, str(report)
+    assert report.grads and report.params

@@ -101,3 +101,22 @@ def test_table_and_layout_printing() -> None:
     assert shard.describe(mesh) == "S(0)@dp"
     partial = Layout.of((8,), {r: Piece(((0, 8),), (r % 2, 2)) for r in range(4)})
     assert partial.describe(mesh) == "P@tp"
+
+
+def test_a_gather_spans_only_the_devices_whose_pieces_a_reader_needs() -> None:
+    """A batch split by dp and again by tp tiles it over every device of the stage; a reader
+    that needs its dp share gathers over its tp group, not over every replica (before, one
+    all-gather of the whole batch over all four devices, 2x the bytes, across replicas)."""
+    from torchweave.lower.derive import Need, derive
+    from torchweave.lower.steps import AllGather
+    from torchweave.plan.layout import Piece
+
+    src = {d: Piece(((2 * d, 2 * d + 2), (0, 4))) for d in range(4)}  # batch 8 in 4 pieces
+    dst = {d: Need(((d // 2 * 4, d // 2 * 4 + 4), (0, 4)), d // 2) for d in range(4)}
+    out = derive((8, 4), src, dst)
+    (step,) = [s for s in out.steps if isinstance(s, AllGather)]
+    assert set(step.groups) == {(0, 1), (2, 3)}
+    assert all(out.result[d].box == dst[d].box for d in range(4))
+    # a reader that needs the whole batch still gathers over all four
+    whole = derive((8, 4), src, {d: Need(((0, 8), (0, 4)), 0) for d in range(4)})
+    assert [s.groups for s in whole.steps if isinstance(s, AllGather)] == [((0, 1, 2, 3),)]

@@ -17,11 +17,12 @@ from torchweave.sim.devices import Link
 
 
 @functools.lru_cache(maxsize=None)
-def _gpt(layers: int = 4, d: int = 256, heads: int = 8, batch: int = 16, seq: int = 64):
+def _gpt(layers: int = 4, d: int = 256, heads: int = 8, batch: int = 16, seq: int = 64,
+         vocab: int = 512):
     import torchweave
     from torchweave.models.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=512, block_size=seq, n_layer=layers, n_head=heads, d_model=d)
+    cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, d_model=d)
     with torch.device("meta"):
         model = GPT(cfg)
         idx = torch.zeros(batch, seq, dtype=torch.long)
@@ -67,14 +68,42 @@ def test_with_free_links_every_large_op_is_split_and_compute_divides() -> None:
     assert describe(g, part.dims, {n.name: None for n in g.nodes})
 
 
-def test_the_batch_is_never_split_on_tp() -> None:
-    """Splitting the batch on tp too is the plan with a larger dp: not the solver's choice."""
-    g = _gpt()
+def _batch_dims(g) -> dict[str, set[str]]:
     base = PlanSpec.parse("dp").build(g, 2)
-    part = solve(g, fast(), tp=4, world=8)
-    for node in g.nodes:
-        batch = {t.dim for t in base.transforms(node.name) if t.dim}
-        assert part.dims[node.name] not in batch
+    return {n.name: {t.dim for t in base.transforms(n.name) if t.dim} for n in g.nodes}
+
+
+def test_a_large_vocabulary_splits_the_head_on_it_and_the_blocks_on_the_batch() -> None:
+    """nnScaler's plan for a large vocabulary, found by the solver unprompted: the blocks
+    data-parallel over every device, the head split along the vocabulary; the event
+    simulator (not the solver's model) finds it faster than dp and than Megatron's tp."""
+    from torchweave.sim import simulate
+
+    g = _gpt(layers=2, d=256, heads=4, batch=32, seq=128, vocab=32768)
+    cluster = parse_cluster("4xA100-80GB-SXM@4")
+    part = solve(g, cluster, tp=4, world=4)
+    assert not part.batch_only
+    batch = _batch_dims(g)
+    head = [n for n in g.nodes if n.module == "lm_head" and n.target == "aten.linear.default"]
+    assert head and all(part.dims[n.name] == "n" for n in head)
+    mm = [n for n in g.nodes if n.module.startswith("blocks.") and n.target == "aten.linear.default"]
+    assert mm and all(part.dims[n.name] in batch[n.name] for n in mm)
+    step = {spec: simulate(g, PlanSpec.parse(spec).build(g, 4, dims=part.dims if "solved" in spec
+                                                          else None), cluster).step_time
+            for spec in ("tp:tp=4,split=solved", "dp", "tp:tp=4")}
+    assert step["tp:tp=4,split=solved"] < min(step["dp"], step["tp:tp=4"]), step
+
+
+def test_a_partition_that_splits_only_batches_is_dp_and_the_search_leaves_it_out() -> None:
+    g = _gpt(layers=2, d=256, heads=4, batch=32, seq=128, vocab=512)
+    cluster = parse_cluster("4xA100-80GB-SXM@4")
+    part = solve(g, cluster, tp=4, world=4)
+    batch = _batch_dims(g)
+    assert part.batch_only and any(part.dims[n.name] for n in g.nodes)
+    assert all(part.dims[n.name] in batch[n.name] | {None} for n in g.nodes)
+    res = search(g, cluster, load_constraints("tp: [1, 4]\nsplit: [solved]\n"), top=0)
+    assert any("split=solved, tp=4: the solver splits only the batch" in e for e in res.excluded)
+    assert all("split=solved" not in r.spec for r in res.ranked)
 
 
 def test_an_ops_rule_no_split_can_keep_names_the_op_and_sizes() -> None:

@@ -19,6 +19,7 @@ from torchweave.commands.sim import (
     GiB, Setup, _capture, _dtype, _mib, _ms, _plan_for, _sim, load_cluster,
 )
 from torchweave.errors import Problem, TorchweaveError
+from torchweave.sim.comm import BUCKET_BYTES
 
 
 @dataclass
@@ -73,7 +74,7 @@ def explain_plan(setup: Setup) -> Explained:
     programs, _ = lower_programs(setup.graph, setup.plan, None)
     result = _sim(setup)
     model = ComputeModel.for_device(setup.cluster.device)
-    costs = Builder(setup.graph, setup.plan, setup.cluster, setup.dtype, model, 25 * 2**20).costs
+    costs = Builder(setup.graph, setup.plan, setup.cluster, setup.dtype, model, BUCKET_BYTES).costs
     # Collective time per event name: sum on each rank, max over ranks.
     per_rank: dict[tuple[int, str], float] = defaultdict(float)
     for e in result.timeline:

@@ -2,8 +2,9 @@
 
 The search runs in fixed phases, each choosing the cheapest collective that
 applies to regular groups of devices: reduce partial sums (reduce-scatter if
-each member needs only its chunk, else all-reduce); gather shards (all-to-all
-when each member then needs only a chunk along another axis, else all-gather);
+each member needs only its chunk, else all-reduce); gather shards over the
+narrowest groups that cover what each member needs (all-to-all when each
+member then needs only a chunk along another axis, else all-gather);
 cut what is held down to what is needed (a split with an all-gather backward
 when replicas keep different chunks, else a local narrow); finally sum the
 gradients of a replicated tensor read by different pieces (``R'``). Whatever
@@ -163,7 +164,7 @@ def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
     """One all-gather (or all-to-all) along the axis that helps most."""
     best: tuple[int, Step, dict[int, Piece]] | None = None
     for axis in range(len(next(iter(held.values())).box)):
-        groups = _tiling_groups(held, axis)
+        groups = _narrowest(_tiling_groups(held, axis), held, dst, axis)
         if not groups:
             continue
         new = dict(held)
@@ -210,6 +211,27 @@ def _tiling_groups(held: dict[int, Piece], axis: int) -> list[Group]:
                 return []
             groups.append(g)
     return groups
+
+
+def _narrowest(groups: list[Group], held: dict[int, Piece], dst: dict[int, Need], axis: int
+               ) -> list[Group]:
+    """Each tiling group cut into the shortest runs of consecutive members whose gathered
+    range still covers what every member needs along ``axis``. A batch split again on a
+    tensor-parallel axis tiles the batch over the whole stage; a consumer that needs its
+    data-parallel share gathers over its tp group, not over every replica."""
+    out: list[Group] = []
+    for g in groups:
+        n = len(g)
+        for size in [s for s in range(2, n + 1) if n % s == 0]:
+            runs = [g[i:i + size] for i in range(0, n, size)]
+            if all(held[r[0]].box[axis][0] <= dst[d].box[axis][0]
+                   and dst[d].box[axis][1] <= held[r[-1]].box[axis][1]
+                   for r in runs for d in r if d in dst):
+                out.extend(runs)
+                break
+        else:
+            out.append(g)
+    return out
 
 
 def _all_to_all(groups, held, gathered, dst, axis):

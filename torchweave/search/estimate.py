@@ -42,13 +42,13 @@ from torchweave.plan.plan import Plan
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
 from torchweave.sim.cluster import Cluster
-from torchweave.sim.comm import Collective, collective_time
+from torchweave.sim.comm import BUCKET_BYTES, Collective, collective_time
 from torchweave.sim.cost import ComputeModel
 from torchweave.sim.fold import Blocks, cut
 from torchweave.sim.memory import model_state_memory
 from torchweave.sim.simulate import simulate
 
-BUCKET = 25 * 2**20
+BUCKET = BUCKET_BYTES
 UNIT_BYTES = 32 * 2**20  # ZeRO-3 units (sim/units.py)
 
 

@@ -17,16 +17,20 @@ a model priced from the cluster:
   dual in backward (a split op that reads a whole input hands back a partial
   gradient: an all-reduce or reduce-scatter to what the producer needs);
 - **parameters**: the gradient sum over ``dp`` of what each device holds (a
-  split parameter holds ``1/tp``), over ``tp`` for a whole parameter read by a
-  split op (a norm's weight under sequence splits), and AdamW's memory-bound
-  pass over what each device holds;
+  split parameter holds ``1/tp``), over the whole world for a whole parameter
+  read by a split op (a norm's weight under sequence splits, any weight under a
+  batch split), priced per byte at the bucket size the runtime sums in (25 MiB),
+  and AdamW's memory-bound pass over what each device holds;
 - **memory**, where a budget is given: model state (parameters, gradients and
   AdamW's state, divided by ``tp`` when split) and the activations each op
   keeps (its outputs, divided by ``tp`` when split) stay within it.
 
-The ``tp`` axis splits the model, not the batch: the dims data parallelism
-already splits are not among its choices (splitting the batch on ``tp`` too is
-the plan with a larger ``dp``, which the search prices as its own point).
+The ``tp`` axis may split an op's batch too (where the batch divides by the
+world): nnScaler's plan for a large vocabulary is exactly that, the blocks
+data-parallel over every device and the embedding and head split along the
+vocabulary. A partition that splits nothing but batches is the plan with a
+larger ``dp`` (:attr:`Partition.batch_only`), which the search prices as its own
+point and drops.
 
 Identical blocks (:func:`~torchweave.sim.fold.find_blocks`) share one set of
 variables, so a 96-layer model is one block's problem; an edge that joins a
@@ -63,7 +67,7 @@ from torchweave.plan.propagate import propagate
 from torchweave.policies.data import batch_inputs
 from torchweave.search.constraints import OpRule
 from torchweave.sim.cluster import Cluster
-from torchweave.sim.comm import Collective, collective_time
+from torchweave.sim.comm import BUCKET_BYTES, Collective, collective_time
 from torchweave.sim.cost import ComputeModel, dtype_of, op_time
 from torchweave.sim.fold import find_blocks
 from torchweave.sim.memory import model_state_memory
@@ -85,6 +89,9 @@ class Partition:
     """``optimal``, or ``time limit`` (the best found in the time allowed)."""
     variables: int
     seconds: float
+    batch_only: bool = False
+    """It splits nothing but batches: data parallelism over ``tp`` too (the plan with a
+    larger ``dp``), up to a few cheap ops left whole."""
 
     def key(self) -> tuple:
         return (self.tp, tuple(sorted((k, v or "") for k, v in self.dims.items())))
@@ -117,6 +124,12 @@ class _Model:
             cluster.device).bandwidth)
         self.group = list(range(tp))
         self.dp_group = list(range(0, world, tp))
+        # Gradients are summed in buckets (sim/backward.Buckets): seconds per byte at the
+        # bucket's size, over the dp group or (a whole parameter under a split op) the world.
+        self.grad_s = {False: self._coll(Collective.ALL_REDUCE, BUCKET_BYTES, self.dp_group)
+                       / BUCKET_BYTES,
+                       True: self._coll(Collective.ALL_REDUCE, BUCKET_BYTES, list(range(world)))
+                       / BUCKET_BYTES}
         base = _batch_split(graph)
         blocks = find_blocks(graph, base, least=2)
         self.rep: dict[str, str] = {n.name: n.name for n in graph.nodes}
@@ -131,13 +144,15 @@ class _Model:
             self.count[name] = self.count.get(name, 0) + 1
         self.producer = graph.producers()
         self.ops: dict[str, _Op] = {}
+        self.batch: dict[str, set[str]] = {}
+        """Each representative op's batch dims."""
         problems: list[Problem] = []
         for node in graph.nodes:
             if self.rep[node.name] != node.name:
                 continue
             op = info(graph, node)
-            taken = {t.dim for t in base.transforms(node.name) if t.dim}
-            choices, bad = _choices(node, op, tp, taken, rules)
+            batch = self.batch[node.name] = {t.dim for t in base.transforms(node.name) if t.dim}
+            choices, bad = _choices(node, op, tp, batch, world, rules)
             if bad:
                 problems.append(bad)
                 continue
@@ -179,10 +194,11 @@ class _Model:
                 continue
             need = _need(o.op, k, choice)
             split = self.tp if need[0] == "S" else 1
-            own += self._coll(Collective.ALL_REDUCE, v.meta.nbytes / split, self.dp_group)
             own += self.adam_s * v.meta.numel / split
-            if choice is not None and need[0] == "R" and v.meta.dtype.is_floating_point:
-                own += self._coll(Collective.ALL_REDUCE, v.meta.nbytes, self.group)
+            # A whole parameter read by a split op has a partial gradient on every device
+            # of the tp group too: one sum over the world, not over dp.
+            whole = choice is not None and need[0] == "R" and v.meta.dtype.is_floating_point
+            own += self.grad_s[whole] * v.meta.nbytes / split
         return own
 
     def memory(self, name: str, choice: str | None) -> float:
@@ -247,10 +263,12 @@ def _batch_split(graph: Graph) -> Plan:
     return propagate(graph, Mesh.of(dp=parts), inputs=batch_inputs(graph, "dp", parts))
 
 
-def _choices(node: Node, op: OpInfo, tp: int, taken: set[str],
+def _choices(node: Node, op: OpInfo, tp: int, batch: set[str], world: int,
              rules: tuple[OpRule, ...]) -> tuple[tuple[str | None, ...], Problem | None]:
+    """An op's choices on ``tp``: whole, or a dim its annotation splits whose size divides
+    (a batch dim, already split ``world / tp`` ways by data parallelism, by the world)."""
     dims = [d for d in op.bound.splittable()
-            if d not in taken and op.bound.sizes[d] % tp == 0] if op.spec is not None else []
+            if op.bound.sizes[d] % (world if d in batch else tp) == 0] if op.spec is not None else []
     whole = True
     for rule in rules:
         if not rule.selects(node):
@@ -377,7 +395,11 @@ def solve(graph: Graph, cluster: Cluster, *, tp: int, world: int, dtype: torch.d
     for node in graph.nodes:
         dims[node.name] = dims[m.rep[node.name]]
     status = "optimal" if res.status == 0 else "time limit"
-    return Partition(tp, world, dims, float(res.fun), status, nvar, time.perf_counter() - t0)
+    # Data parallelism over tp, up to ties: nothing split but batches (a few cheap ops the
+    # objective is indifferent about, such as the loss's tail, may stay whole).
+    batch_only = all(dims[n] is None or dims[n] in m.batch[n] for n in names)
+    return Partition(tp, world, dims, float(res.fun), status, nvar, time.perf_counter() - t0,
+                     batch_only)
 
 
 def price(graph: Graph, cluster: Cluster, dims: dict[str, str | None], *, tp: int, world: int,

@@ -253,6 +253,10 @@ def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, c: Constraints, 
         excluded.append(f"split=solved, tp={tp}: " + "; ".join(f"{p.obj}: {p.rule}"
                                                               for p in exc.problems))
         return None
+    if part.batch_only and c.tp.allows(1):  # dp's own point is in the space
+        excluded.append(f"split=solved, tp={tp}: the solver splits only the batch (the plan "
+                        f"with dp×{tp}, a point of its own)")
+        return None
     try:
         rule = tp_dims(PlanSpec.parse(f"tp:tp={tp},dp=1").build(graph, tp), graph)
     except TorchweaveError:

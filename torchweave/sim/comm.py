@@ -42,6 +42,9 @@ from torchweave.lower import steps
 from torchweave.sim.cluster import Cluster
 from torchweave.sim.devices import Link
 
+BUCKET_BYTES = 25 * 2**20
+"""Gradients are summed in buckets of this many bytes (as DDP does), after backward fills each."""
+
 
 class Collective(enum.Enum):
     ALL_REDUCE = "all_reduce"

@@ -31,6 +31,7 @@ from torchweave.ir.graph import Graph
 from torchweave.lower.program import Program
 from torchweave.plan.plan import Plan
 from torchweave.sim.cluster import Cluster
+from torchweave.sim.comm import BUCKET_BYTES
 from torchweave.sim.cost import ComputeModel, precision_of
 from torchweave.sim.engine import Event, run
 from torchweave.sim.memory import model_state_memory
@@ -150,7 +151,7 @@ class SimResult:
 
 def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Program] | None = None,
              dtype: torch.dtype | None = None, tokens_per_step: int | None = None,
-             model: ComputeModel | None = None, bucket_bytes: int = 25 * 2**20,
+             model: ComputeModel | None = None, bucket_bytes: int = BUCKET_BYTES,
              strict: bool = False, timeline: bool = True,
              symmetry: bool | None = None, fold: bool | None = None,
              profiles: OpProfiles | None = None, grad_accum: int = 1) -> SimResult:
