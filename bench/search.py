@@ -48,6 +48,7 @@ def capture(layers: int, d: int, heads: int, batch: int):
 
 def main() -> int:
     from torchweave.search import search
+    from torchweave.search.pool import default_workers
     from torchweave.sim import parse_cluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,7 +67,8 @@ def main() -> int:
             got = {}
             for p in ("megatron", "free"):
                 t0 = time.perf_counter()
-                res = search(g, cluster, p, top=5, dtype=torch.bfloat16)
+                res = search(g, cluster, p, top=5, dtype=torch.bfloat16,
+                             workers=default_workers(len(g.nodes), cluster.size))
                 got[p] = (time.perf_counter() - t0, res)
                 best = res.best
                 err = max((r.estimate_error or 0.0) for r in res.ranked)

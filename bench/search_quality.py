@@ -100,6 +100,7 @@ def main() -> int:
     import torchweave
     from torchweave.errors import TorchweaveError
     from torchweave.search import search
+    from torchweave.search.pool import default_workers
     from torchweave.sim import parse_cluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,7 +120,8 @@ def main() -> int:
         for p in PRESETS:
             t0 = time.perf_counter()
             try:
-                res = search(g, cluster, p, top=1, dtype=torch.bfloat16)
+                res = search(g, cluster, p, top=1, dtype=torch.bfloat16,
+                             workers=default_workers(len(g.nodes), cluster.size))
                 best[p] = (res.best.spec, res.best.result.step_time, time.perf_counter() - t0)
             except TorchweaveError as exc:
                 best[p] = (f"none fits ({exc.problems[0].value})", float("inf"),

@@ -35,6 +35,7 @@ def _constraints(args: argparse.Namespace):
 
 def run_search(args: argparse.Namespace, console: Console, graph, cluster, world: int) -> int:
     from torchweave.search import local_cluster, search
+    from torchweave.search.pool import default_workers
     from torchweave.sim.reliability import reliability
 
     constraints = _constraints(args)
@@ -43,6 +44,7 @@ def run_search(args: argparse.Namespace, console: Console, graph, cluster, world
     cluster = cluster or local_cluster(world)
     with console.status("searching") as status:
         result = search(graph, cluster, constraints, world_size=world, top=args.top,
+                        workers=default_workers(len(graph.nodes), world),
                         progress=lambda msg: status.update(escape(msg)))
     table = Table(title=f"{graph.model_name}: the best plans on {cluster} "
                         f"({constraints.name}; {result.considered} points, "
@@ -80,6 +82,7 @@ def _compare(args: argparse.Namespace, console: Console, graph, constraints) -> 
     """The best plan on each of ``--clusters``, cheapest per token first."""
     from torchweave.commands.sim import load_cluster
     from torchweave.search import search
+    from torchweave.search.pool import default_workers
     from torchweave.sim.reliability import reliability
 
     rows, failed = [], []
@@ -88,6 +91,7 @@ def _compare(args: argparse.Namespace, console: Console, graph, constraints) -> 
         with console.status(f"searching {text}") as status:
             try:
                 result = search(graph, cluster, constraints, top=1,
+                                workers=default_workers(len(graph.nodes), cluster.size),
                                 progress=lambda msg: status.update(escape(f"{text}: {msg}")))
             except TorchweaveError as exc:
                 failed.append(f"{text}: {exc.problems[0].value}; {exc.problems[0].rule}")

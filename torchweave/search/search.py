@@ -27,7 +27,6 @@ then by their plan string.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,9 +39,11 @@ from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
-from torchweave.search.constraints import Constraints, OpRule, preset
+from torchweave.search.admit import admissible, op_rules
+from torchweave.search.constraints import Constraints, preset
 from torchweave.search.estimate import Estimate, Proxy, estimate, proxy
 from torchweave.search.intra import Partition, describe, solve, tp_dims
+from torchweave.search.pool import Failed, Runner, env_workers
 from torchweave.search.space import Point, points
 from torchweave.sim.cluster import Cluster
 from torchweave.sim.fold import find_blocks
@@ -126,10 +127,14 @@ class SearchResult:
 
 def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None = None, *,
            world_size: int | None = None, top: int = 5, simulate_top: int | None = None,
-           dtype: torch.dtype | None = None,
+           dtype: torch.dtype | None = None, workers: int | None = None,
            progress: Callable[[str], None] | None = None) -> SearchResult:
     """The best plans for ``graph`` on ``cluster`` within ``constraints`` (a
-    :class:`Constraints`, a preset name; default ``free``)."""
+    :class:`Constraints`, a preset name; default ``free``). ``workers``: processes for
+    the proxies and simulations (default 1, or ``TORCHWEAVE_SEARCH_WORKERS``; ``torchweave
+    plan`` passes :func:`~torchweave.search.pool.default_workers`, the cores for a large
+    search; a script that passes more needs the ``__main__`` guard). The result does not
+    depend on it."""
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     c = preset(constraints or "free") if not isinstance(constraints, Constraints) else constraints
@@ -151,81 +156,49 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     over: list[tuple[str, float]] = []
     parts: dict[int, Partition | None] = {}
     notes: list[str] = []
-    for tp in sorted({p.tp for p in pts if p.split == "solved"}):
-        say(f"solve each op's split for tp={tp}")
-        parts[tp] = _solve(graph, cluster, tp, world, c, dtype, excluded, notes)
-    pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
-    if blocks is not None:
-        proxies: dict[tuple, Proxy | None] = {}
-        best_block, stop = math.inf, None
-        for key in sorted({(p.tp, p.sp, p.recompute, p.split) for p in pts}):
-            if stop is not None and key[0] > stop:
-                proxies[key] = None
-                continue
-            if key[0] > 1 and key[1:] == (False, "none", "rule") and stop is None:
-                # Larger degrees are tried while they make a block faster.
-                prev = min((x.block_s for k, x in proxies.items() if x and k[0] < key[0]),
-                           default=math.inf)
-                best_block = prev
-            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]}")
-            part = parts.get(key[0]) if key[3] == "solved" else None
-            try:
-                px = proxy(graph, blocks, cluster, *key[:3], dtype=dtype, precision=precision,
-                           dims=part.dims if part else None)
-            except TorchweaveError as exc:
-                excluded.append(f"tp={key[0]}{' (sp)' if key[1] else ''}: "
-                                + "; ".join(f"{p.value}: {p.rule}" for p in exc.problems))
-                proxies[key] = None
-                continue
-            bad = _op_rules(px.plan, graph, c.ops, key[0])
-            if bad:
-                excluded.append(f"tp={key[0]}: {bad}")
-                proxies[key] = None
-                continue
-            proxies[key] = px
-            if key[1:] == (False, "none", "rule") and key[0] > 1 and px.block_s >= best_block:
-                stop = key[0]
-                excluded.append(f"tp > {key[0]}: not tried; tp={key[0]} is no faster per block "
-                                f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
-        direct = [pt for pt in pts if pt.schedule == "interlaced"]  # no estimate: simulated
-        for pt in pts:
-            if pt.schedule == "interlaced":
-                continue
-            px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split)]
-            if px is None:
-                continue
-            e = estimate(pt, px, cluster, len(blocks), precision=precision)
-            if e.memory > budget:
-                over.append((pt.spec, (e.memory - budget) / GiB))
-            else:
-                ests[pt] = e
-        order = sorted(ests, key=lambda p: (ests[p].step_s, p.spec))
-        n = simulate_top or (top + 3 if len(graph.nodes) * world > CHEAP else max(top + 3, 48))
-        chosen = order[:n]
-        ref = _reference(order)
-        if ref is not None and ref not in chosen:
-            chosen.append(ref)
-        chosen += direct
-    else:
-        chosen = list(pts)
+    n_workers = workers if workers is not None else (env_workers() or 1)
+    with Runner(n_workers, graph=graph, blocks=blocks, cluster=cluster, dtype=dtype,
+                precision=precision, world=world, constraints=c) as runner:
+        for tp in sorted({p.tp for p in pts if p.split == "solved"}):
+            say(f"solve each op's split for tp={tp}")
+            parts[tp] = _solve(graph, cluster, tp, world, c, dtype, excluded, notes)
+        pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
+        if blocks is not None:
+            proxies = _proxies(runner, graph, pts, parts, c, excluded, say)
+            direct = [pt for pt in pts if pt.schedule == "interlaced"]  # no estimate: simulated
+            for pt in pts:
+                if pt.schedule == "interlaced":
+                    continue
+                px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split)]
+                if px is None:
+                    continue
+                e = estimate(pt, px, cluster, len(blocks), precision=precision)
+                if e.memory > budget:
+                    over.append((pt.spec, (e.memory - budget) / GiB))
+                else:
+                    ests[pt] = e
+            order = sorted(ests, key=lambda p: (ests[p].step_s, p.spec))
+            n = simulate_top or (top + 3 if len(graph.nodes) * world > CHEAP else max(top + 3, 48))
+            chosen = order[:n]
+            ref = _reference(order)
+            if ref is not None and ref not in chosen:
+                chosen.append(ref)
+            chosen += direct
+        else:
+            chosen = list(pts)
+        for i, pt in enumerate(chosen):
+            say(f"simulate {i + 1}/{len(chosen)}: {pt.spec}")
+        got = runner.map(_simulate_job, [(pt, parts.get(pt.tp).dims if pt.split == "solved"
+                                          else None) for pt in chosen])
     ranked: list[Ranked] = []
-    for i, pt in enumerate(chosen):
-        say(f"simulate {i + 1}/{len(chosen)}: {pt.spec}")
-        try:
-            part = parts.get(pt.tp) if pt.split == "solved" else None
-            plan = PlanSpec.parse(pt.spec).build(graph, world, dims=part.dims if part else None)
-        except TorchweaveError as exc:
-            excluded.append(f"{pt.spec}: " + "; ".join(p.rule for p in exc.problems))
+    for pt, out in zip(chosen, got):
+        if isinstance(out, Failed):
+            excluded.append(f"{pt.spec}: " + "; ".join(f"{p.value}: {p.rule}" for p in out.problems))
             continue
-        bad = _admissible(plan, graph, c, pt)
-        if bad:
-            excluded.append(f"{pt.spec}: {bad}")
+        if isinstance(out, str):
+            excluded.append(f"{pt.spec}: {out}")
             continue
-        try:  # lowering may still refuse a plan the space allows: it is left out, with why
-            res = simulate(graph, plan, cluster, dtype=dtype, timeline=False)
-        except TorchweaveError as exc:
-            excluded.append(f"{pt.spec}: " + "; ".join(f"{p.value}: {p.rule}" for p in exc.problems))
-            continue
+        plan, res = out
         peak = max(m.peak for m in res.memory)
         if peak > budget:
             over.append((pt.spec, (peak - budget) / GiB))
@@ -240,6 +213,65 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     over.sort(key=lambda x: (x[1], x[0]))
     return SearchResult(ranked[:max(top, 1)] if top else ranked, len(pts), excluded, over[:5], c,
                         cluster, time.perf_counter() - t0, reference, notes)
+
+
+def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Partition | None],
+             c: Constraints, excluded: list[str], say: Callable[[str], None]
+             ) -> dict[tuple, Proxy | None]:
+    """One proxy per way of splitting a block, a degree at a time (its ways at once), larger
+    degrees only while they make a block faster."""
+    proxies: dict[tuple, Proxy | None] = {}
+    keys = sorted({(p.tp, p.sp, p.recompute, p.split) for p in pts})
+    stop = None
+    for tp in sorted({k[0] for k in keys}):
+        group = [k for k in keys if k[0] == tp]
+        if stop is not None:
+            proxies.update((k, None) for k in group)
+            continue
+        best_block = min((x.block_s for k, x in proxies.items() if x and k[0] < tp),
+                         default=math.inf)
+        for key in group:
+            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]}")
+        got = runner.map(_proxy_job, [(key, parts[tp].dims if key[3] == "solved" and parts.get(tp)
+                                       else None) for key in group])
+        for key, px in zip(group, got):
+            proxies[key] = None
+            if isinstance(px, Failed):
+                excluded.append(f"tp={tp}{' (sp)' if key[1] else ''}: "
+                                + "; ".join(f"{p.value}: {p.rule}" for p in px.problems))
+                continue
+            bad = op_rules(px.plan, graph, c.ops, tp)
+            if bad:
+                excluded.append(f"tp={tp}: {bad}")
+                continue
+            proxies[key] = px
+            if key[1:] == (False, "none", "rule") and tp > 1 and px.block_s >= best_block:
+                stop = tp
+                excluded.append(f"tp > {tp}: not tried; tp={tp} is no faster per block "
+                                f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
+    return proxies
+
+
+def _proxy_job(s: dict, key: tuple, dims: dict | None) -> Proxy:
+    return proxy(s["graph"], s["blocks"], s["cluster"], *key[:3], dtype=s["dtype"],
+                 precision=s["precision"], dims=dims)
+
+
+def _simulate_job(s: dict, pt: Point, dims: dict | None) -> tuple[Plan, SimResult] | str:
+    """``pt`` built, checked against the constraints and simulated; a string says why not."""
+    graph = s["graph"]
+    try:
+        plan = PlanSpec.parse(pt.spec).build(graph, s["world"], dims=dims)
+    except TorchweaveError as exc:
+        return "; ".join(p.rule for p in exc.problems)
+    bad = admissible(plan, graph, s["constraints"], pt)
+    if bad:
+        return bad
+    try:  # lowering may still refuse a plan the space allows: it is left out, with why
+        res = simulate(graph, plan, s["cluster"], dtype=s["dtype"], timeline=False)
+    except TorchweaveError as exc:
+        return "; ".join(f"{p.value}: {p.rule}" for p in exc.problems)
+    return plan, res
 
 
 def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, c: Constraints, dtype,
@@ -291,72 +323,6 @@ def _in(c: Constraints, pt: Point) -> bool:
 def _reference(order: list[Point]) -> Point | None:
     mega = preset("megatron")
     return next((p for p in order if _in(mega, p)), None)
-
-
-def _op_rules(plan: Plan, graph: Graph, rules: tuple[OpRule, ...], tp: int, dp: int = 1
-              ) -> str | None:
-    """The first op rule ``plan`` breaks, in words (None: it keeps them all). Rules are
-    about an op's partition inside one data-parallel replica: the batch split that data
-    parallelism makes of every op (its first transform, ``dp`` parts) is not theirs."""
-    for rule in rules:
-        for node in graph.nodes:
-            if node.name not in plan.trans or not rule.selects(node):
-                continue
-            trans = list(plan.transforms(node.name))
-            if dp > 1 and trans and trans[0].parts == dp:
-                trans = trans[1:]
-            splits = [t for t in trans if t.dim is not None and t.parts > 1]
-            if rule.replicate is False and not splits:
-                return f"{rule} says {node.name} ({node.module}) is split, but tp={tp} keeps it whole"
-            for t in splits:
-                if rule.parts is not None and t.parts not in rule.parts:
-                    return (f"tp={tp} splits {node.name} ({node.module}) into {t.parts}, but "
-                            f"{rule} allows {list(rule.parts)}")
-                if rule.split is not None and t.dim not in rule.split and str(t.dim) not in map(
-                        str, rule.split):
-                    return (f"tp={tp} splits {node.name} ({node.module}) on dim {t.dim}, but "
-                            f"{rule} allows dims {list(rule.split)}")
-            if rule.replicate is True and splits and rule.parts is None and rule.split is None:
-                return f"{rule} keeps {node.name} ({node.module}) whole, but tp={tp} splits it"
-    return None
-
-
-def _admissible(plan: Plan, graph: Graph, c: Constraints, pt: Point) -> str | None:
-    """The first constraint ``plan`` breaks (op rules, cuts, pins, ties), or None."""
-    bad = _op_rules(plan, graph, c.ops, pt.tp, pt.dp)
-    if bad:
-        return bad
-    pipe = plan.pipeline
-    if pipe is not None and (c.cuts is not None or c.pin):
-        first: dict[int, object] = {}
-        for node in graph.nodes:
-            s = pipe.stage_of.get(node.name)
-            if s is not None and s not in first:
-                first[s] = node
-        if c.cuts is not None:
-            for s, node in sorted(first.items()):
-                if s and not any(fnmatch.fnmatchcase(node.module or "", g) or fnmatch.fnmatchcase(
-                        (node.module or "") + ".x", g + ".*") for g in c.cuts):
-                    return (f"stage {s} starts at {node.module or node.name}, not at a cut the "
-                            f"constraints allow ({', '.join(c.cuts)})")
-        last = pipe.stages - 1
-        for glob, want in c.pin.items():
-            stage = {"first": 0, "last": last}.get(want, want)
-            for node in graph.nodes:
-                if fnmatch.fnmatchcase(node.module or "", glob) and pipe.stage_of.get(
-                        node.name, stage) != stage:
-                    return (f"{node.module} is pinned to stage {want}, but the plan runs it on "
-                            f"stage {pipe.stage_of[node.name]}")
-    for group in c.ties:
-        seen = None
-        for node in graph.nodes:
-            if any(fnmatch.fnmatchcase(node.module or "", g) for g in group):
-                sig = tuple((t.dim, t.parts) for t in plan.transforms(node.name))
-                if seen is not None and sig != seen[1]:
-                    return (f"ties {list(group)}: {seen[0]} is split {seen[1]} but {node.name} "
-                            f"{sig}")
-                seen = seen or (node.name, sig)
-    return None
 
 
 def _nothing_fits(c: Constraints, cluster: Cluster, budget: float, over, excluded, n: int
