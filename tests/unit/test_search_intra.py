@@ -94,16 +94,21 @@ def test_a_large_vocabulary_splits_the_head_on_it_and_the_blocks_on_the_batch() 
     assert step["tp:tp=4,split=solved"] < min(step["dp"], step["tp:tp=4"]), step
 
 
-def test_a_partition_that_splits_only_batches_is_dp_and_the_search_leaves_it_out() -> None:
+def test_where_the_best_splits_only_batches_the_answer_splits_the_model() -> None:
+    """Splitting nothing but batches is dp's own point; ``split=solved`` then means the best
+    partition of the model (batch dims out of the choices)."""
+    from torchweave.search.intra import _solve
+
     g = _gpt(layers=2, d=256, heads=4, batch=32, seq=128, vocab=512)
     cluster = parse_cluster("4xA100-80GB-SXM@4")
-    part = solve(g, cluster, tp=4, world=4)
     batch = _batch_dims(g)
-    assert part.batch_only and any(part.dims[n.name] for n in g.nodes)
-    assert all(part.dims[n.name] in batch[n.name] | {None} for n in g.nodes)
-    res = search(g, cluster, load_constraints("tp: [1, 4]\nsplit: [solved]\n"), top=0)
-    assert any("split=solved, tp=4: the solver splits only the batch" in e for e in res.excluded)
-    assert all("split=solved" not in r.spec for r in res.ranked)
+    first = _solve(g, cluster, 4, 4, None, (), None, 10.0, batch=True)
+    assert first.batch_only
+    assert all(first.dims[n.name] in batch[n.name] | {None} for n in g.nodes)
+    part = solve(g, cluster, tp=4, world=4)
+    assert not part.batch_only
+    assert any(part.dims[n.name] not in batch[n.name] | {None} for n in g.nodes)
+    assert all(part.dims[n.name] not in batch[n.name] for n in g.nodes if part.dims[n.name])
 
 
 def test_an_ops_rule_no_split_can_keep_names_the_op_and_sizes() -> None:

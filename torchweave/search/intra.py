@@ -28,9 +28,10 @@ a model priced from the cluster:
 The ``tp`` axis may split an op's batch too (where the batch divides by the
 world): nnScaler's plan for a large vocabulary is exactly that, the blocks
 data-parallel over every device and the embedding and head split along the
-vocabulary. A partition that splits nothing but batches is the plan with a
-larger ``dp`` (:attr:`Partition.batch_only`), which the search prices as its own
-point and drops.
+vocabulary. An answer that splits nothing but batches is the plan with a larger
+``dp``, which the search prices as its own point; :func:`solve` then answers with
+the best partition that splits the model (batch dims left out of the choices),
+so ``split=solved`` is always a partition of the model where one meets the rules.
 
 Identical blocks (:func:`~torchweave.sim.fold.find_blocks`) share one set of
 variables, so a 96-layer model is one block's problem; an edge that joins a
@@ -51,7 +52,7 @@ assignment (Megatron's, say) under the same model, for comparison.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -91,7 +92,8 @@ class Partition:
     seconds: float
     batch_only: bool = False
     """It splits nothing but batches: data parallelism over ``tp`` too (the plan with a
-    larger ``dp``), up to a few cheap ops left whole."""
+    larger ``dp``), up to a few cheap ops left whole. :func:`solve` answers so only where
+    no partition of the model meets the rules."""
 
     def key(self) -> tuple:
         return (self.tp, tuple(sorted((k, v or "") for k, v in self.dims.items())))
@@ -110,7 +112,7 @@ class _Model:
     """The priced problem for one (graph, cluster, tp, dp)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, tp: int, world: int, *,
-                 dtype: torch.dtype | None, rules: tuple[OpRule, ...]) -> None:
+                 dtype: torch.dtype | None, rules: tuple[OpRule, ...], batch: bool = True) -> None:
         if tp < 1 or world % tp:
             raise TorchweaveError(Problem(obj="partition search", value=f"tp={tp}",
                                           rule=f"tp divides the world ({world})"))
@@ -143,6 +145,7 @@ class _Model:
         for name in self.rep.values():
             self.count[name] = self.count.get(name, 0) + 1
         self.producer = graph.producers()
+        use_batch = batch
         self.ops: dict[str, _Op] = {}
         self.batch: dict[str, set[str]] = {}
         """Each representative op's batch dims."""
@@ -152,7 +155,8 @@ class _Model:
                 continue
             op = info(graph, node)
             batch = self.batch[node.name] = {t.dim for t in base.transforms(node.name) if t.dim}
-            choices, bad = _choices(node, op, tp, batch, world, rules)
+            choices, bad = _choices(node, op, tp, batch if use_batch else set(), world, rules,
+                                    skip=set() if use_batch else batch)
             if bad:
                 problems.append(bad)
                 continue
@@ -264,11 +268,13 @@ def _batch_split(graph: Graph) -> Plan:
 
 
 def _choices(node: Node, op: OpInfo, tp: int, batch: set[str], world: int,
-             rules: tuple[OpRule, ...]) -> tuple[tuple[str | None, ...], Problem | None]:
-    """An op's choices on ``tp``: whole, or a dim its annotation splits whose size divides
-    (a batch dim, already split ``world / tp`` ways by data parallelism, by the world)."""
-    dims = [d for d in op.bound.splittable()
-            if op.bound.sizes[d] % (world if d in batch else tp) == 0] if op.spec is not None else []
+             rules: tuple[OpRule, ...], skip: set[str] = frozenset()
+             ) -> tuple[tuple[str | None, ...], Problem | None]:
+    """An op's choices on ``tp``: whole, or a dim its annotation splits (not in ``skip``)
+    whose size divides (a batch dim, already split ``world / tp`` ways by data parallelism,
+    by the world)."""
+    dims = [d for d in op.bound.splittable() if d not in skip
+            and op.bound.sizes[d] % (world if d in batch else tp) == 0] if op.spec is not None else []
     whole = True
     for rule in rules:
         if not rule.selects(node):
@@ -320,9 +326,27 @@ def solve(graph: Graph, cluster: Cluster, *, tp: int, world: int, dtype: torch.d
           rules: tuple[OpRule, ...] = (), memory: float | None = None,
           time_limit: float = 10.0) -> Partition:
     """The fastest partition of every op on the ``tp`` axis under the solver's model, within
-    ``memory`` bytes per device where given."""
+    ``memory`` bytes per device where given.
+
+    Where the fastest splits nothing but batches (data parallelism over ``tp``, which a
+    search prices as its own point), the answer is the fastest that splits the model, batch
+    dims left out of the choices; the batch-only answer stands only where no other meets
+    the rules (:attr:`Partition.batch_only`)."""
     t0 = time.perf_counter()
-    m = _Model(graph, cluster, tp, world, dtype=dtype, rules=rules)
+    part = _solve(graph, cluster, tp, world, dtype, rules, memory, time_limit, batch=True)
+    if part.batch_only:
+        try:
+            part = _solve(graph, cluster, tp, world, dtype, rules, memory, time_limit, batch=False)
+        except TorchweaveError:
+            pass
+    return replace(part, seconds=time.perf_counter() - t0)
+
+
+def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, dtype: torch.dtype | None,
+           rules: tuple[OpRule, ...], memory: float | None, time_limit: float, *,
+           batch: bool) -> Partition:
+    t0 = time.perf_counter()
+    m = _Model(graph, cluster, tp, world, dtype=dtype, rules=rules, batch=batch)
     names = list(m.ops)
     col: dict[tuple[str, str | None], int] = {}
     cost: list[float] = []
@@ -397,7 +421,8 @@ def solve(graph: Graph, cluster: Cluster, *, tp: int, world: int, dtype: torch.d
     status = "optimal" if res.status == 0 else "time limit"
     # Data parallelism over tp, up to ties: nothing split but batches (a few cheap ops the
     # objective is indifferent about, such as the loss's tail, may stay whole).
-    batch_only = all(dims[n] is None or dims[n] in m.batch[n] for n in names)
+    batch_only = any(dims[n] for n in names) and all(dims[n] is None or dims[n] in m.batch[n]
+                                                      for n in names)
     return Partition(tp, world, dims, float(res.fun), status, nvar, time.perf_counter() - t0,
                      batch_only)
 
