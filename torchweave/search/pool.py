@@ -65,12 +65,16 @@ def _init(state: dict[str, Any]) -> None:
     _STATE.update(state)
 
 
-def _call(job: tuple[Callable[..., Any], tuple]) -> Any:
-    fn, args = job
+def _run(fn: Callable[..., Any], state: dict[str, Any], args: tuple) -> Any:
     try:
-        return fn(_STATE, *args)
+        return fn(state, *args)
     except TorchweaveError as exc:
         return Failed(list(exc.problems))
+
+
+def _call(job: tuple[Callable[..., Any], tuple]) -> Any:
+    """One job on a worker, on the state it received at start."""
+    return _run(job[0], _STATE, job[1])
 
 
 class Failed:
@@ -93,13 +97,7 @@ class Runner:
 
     def map(self, fn: Callable[..., Any], jobs: list[tuple]) -> list[Any]:
         if self.pool is None or len(jobs) < 2:
-            out = []
-            for args in jobs:
-                try:
-                    out.append(fn(self.state, *args))
-                except TorchweaveError as exc:
-                    out.append(Failed(list(exc.problems)))
-            return out
+            return [_run(fn, self.state, args) for args in jobs]
         return list(self.pool.map(_call, [(fn, args) for args in jobs]))
 
     def close(self) -> None:

@@ -79,7 +79,6 @@ class Model:
         for name in self.rep.values():
             self.count[name] = self.count.get(name, 0) + 1
         self.producer = graph.producers()
-        use_batch = batch
         self.ops: dict[str, _Op] = {}
         self.batch: dict[str, set[str]] = {}
         """Each representative op's batch dims."""
@@ -88,9 +87,8 @@ class Model:
             if self.rep[node.name] != node.name:
                 continue
             op = info(graph, node)
-            batch = self.batch[node.name] = {t.dim for t in base.transforms(node.name) if t.dim}
-            choices, bad = _choices(node, op, tp, batch if use_batch else set(), world, rules,
-                                    skip=set() if use_batch else batch)
+            self.batch[node.name] = {t.dim for t in base.transforms(node.name) if t.dim}
+            choices, bad = _choices(node, op, tp, self.batch[node.name], world, rules, batch)
             if bad:
                 problems.append(bad)
                 continue
@@ -202,12 +200,12 @@ def _batch_split(graph: Graph) -> Plan:
 
 
 def _choices(node: Node, op: OpInfo, tp: int, batch: set[str], world: int,
-             rules: tuple[OpRule, ...], skip: set[str] = frozenset()
+             rules: tuple[OpRule, ...], allow_batch: bool = True
              ) -> tuple[tuple[str | None, ...], Problem | None]:
-    """An op's choices on ``tp``: whole, or a dim its annotation splits (not in ``skip``)
-    whose size divides (a batch dim, already split ``world / tp`` ways by data parallelism,
-    by the world)."""
-    dims = [d for d in op.bound.splittable() if d not in skip
+    """An op's choices on ``tp``: whole, or a dim its annotation splits whose size divides
+    (a batch dim, already split ``world / tp`` ways by data parallelism, by the world; not a
+    choice at all unless ``allow_batch``)."""
+    dims = [d for d in op.bound.splittable() if (allow_batch or d not in batch)
             and op.bound.sizes[d] % (world if d in batch else tp) == 0] if op.spec is not None else []
     whole = True
     for rule in rules:
