@@ -277,3 +277,41 @@ def test_worker_processes_give_the_same_search(monkeypatch) -> None:
     monkeypatch.setenv("TORCHWEAVE_SEARCH_WORKERS", "two")
     with pytest.raises(TorchweaveError, match="TORCHWEAVE_SEARCH_WORKERS"):
         default_workers(10, 8)
+
+
+def test_zero_stages_are_one_point_without_data_parallelism() -> None:
+    pts, _ = points(8, 16, 8, preset("free"))
+    assert all(p.zero == 0 for p in pts if p.dp == 1)
+    assert {p.zero for p in pts if p.dp > 1 and p.pp == 1 and p.tp == 1} == {0, 1, 2, 3}
+    # A dp=1 point stays in a preset that allows only ZeRO-1 (the same plan).
+    one = next(p for p in pts if p.dp == 1 and p.pp > 1 and p.schedule == "1f1b"
+               and p.split == "rule" and p.recompute == "none" and p.tp <= 8)
+    assert _in(preset("megatron"), one)
+
+
+def test_each_family_under_rated_by_its_estimate_is_simulated() -> None:
+    from torchweave.search.estimate import Estimate
+    from torchweave.search.search import corrected, families, family
+    from torchweave.search.space import Point
+
+    def pt(tp: int, zero: int, micro: int = 1) -> Point:
+        return Point(tp, 1, 8 // tp, micro, "none", 1, "none", zero, False)
+
+    def est(s: float) -> Estimate:
+        return Estimate(s, s, 0, 0, 0, 0, 0)
+
+    ests = {pt(1, 3): est(1.00), pt(2, 0): est(1.02), pt(2, 1): est(1.03), pt(4, 0): est(1.08),
+            pt(8, 0): est(1.20)}
+    order = sorted(ests, key=lambda p: ests[p].step_s)
+    # The best of each family within MARGIN (10%) of the best estimate; tp=8 is 20% off.
+    assert families(order, ests) == [pt(1, 3), pt(2, 0), pt(4, 0)]
+    assert family(pt(2, 0)) == family(pt(2, 1)) != family(pt(1, 3))
+    # Simulated as estimated, or worse: no other point of a simulated family can win.
+    sim = {pt(1, 3): 1.12, pt(2, 0): 1.02, pt(4, 0): 1.08}
+    assert corrected(order, ests, sim, 1.02, 4) == []
+    # tp=2's best point came out over the memory budget (1.00 s, 2% under its estimate):
+    # its family's next point, 1.03 s estimated, would beat the best plan that fits (1.08).
+    sim = {pt(1, 3): 1.12, pt(2, 0): 1.00, pt(4, 0): 1.08}
+    assert corrected(order, ests, sim, 1.08, 4) == [pt(2, 1)]
+    assert corrected(order, ests, sim, 1.0, 4) == []
+    assert corrected(order, ests, {}, math.inf, 4) == []

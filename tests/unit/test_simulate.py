@@ -112,6 +112,21 @@ def test_zero_shards_state_and_bf16_is_faster() -> None:
     assert max(bf16.compute_time) < max(dp.compute_time)
 
 
+def test_zero3_backward_prefetches_the_next_unit_before_the_reduce_scatter() -> None:
+    """As runtime/zero3.py does: a unit's first use in backward starts the next unit's
+    gather, so the gather is queued before this unit's reduce-scatter on the comm stream
+    and the backward does not wait for both."""
+    z3 = _sim("zero3", 2, timeline=True)
+    comm = sorted((e for e in z3.timeline if e.rank == 0 and e.stream == "comm"),
+                  key=lambda e: e.start)
+    names = [e.name for e in comm]
+    first_rs = next(i for i, n in enumerate(names) if n.startswith("reduce_scatter"))
+    assert any("bwd (prefetch)" in n for n in names[:first_rs])
+    # Every backward gather after the first reduce-scatter is a prefetch: none waits
+    # until its unit is needed.
+    assert all("(prefetch)" in n for n in names[first_rs:] if "all_gather unit" in n)
+
+
 def test_gpt_small_dp64_is_fast() -> None:
     import torchweave
     from torchweave.models.gpt import GPT, GPTConfig

@@ -14,11 +14,15 @@
    than a smaller one, larger ones are not tried (they only add communication),
    and the result says so.
 3. **Estimate** every point by arithmetic, drop those over the memory budget.
-4. **Re-rank**: the best ``top + 3`` points (48 on small models, :data:`CHEAP`; and the
-   best point of the
-   ``megatron`` preset, for comparison) are built as plans, checked against the
-   constraints' op rules, cuts, pins and ties, and simulated in full by the event
-   simulator. The ranking is the simulator's; the estimate's error on each is kept.
+4. **Re-rank**: the best ``top + 3`` points (48 on small models, :data:`CHEAP`), the best
+   point of each family whose estimates share a bias (:func:`family`, within
+   :data:`MARGIN` of the best estimate) and the best point of the ``megatron`` preset
+   (for comparison) are built as plans, checked against the constraints' op rules,
+   cuts, pins and ties, and simulated in full by the event simulator. Then, for up to
+   :data:`ROUNDS` rounds, each family's measured bias (simulated over estimated) scales
+   its other points' estimates, and those that would beat the best simulated plan are
+   simulated too (:func:`corrected`). The ranking is the simulator's; the estimate's
+   error on each is kept.
 
 Models without at least 4 identical blocks are small enough to simulate every
 point directly. Everything is deterministic: points are ordered by estimate,
@@ -50,6 +54,12 @@ from torchweave.sim.fold import find_blocks
 from torchweave.sim.simulate import SimResult, simulate
 
 GiB = 2**30
+MARGIN = 0.10
+"""A family's best point is simulated when its estimate is within this of the best
+estimate (the estimate's error on the plans it ranks, measured in ``bench/search.py``, is
+mostly under it)."""
+ROUNDS = 2
+"""Rounds of re-simulating points that their family's measured bias says were under-rated."""
 CHEAP = 20_000
 """Graph nodes × ranks under which a simulation costs little: the search then simulates its
 best 48 points instead of ``top + 3`` (the estimate is least accurate on small models,
@@ -180,18 +190,25 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             order = sorted(ests, key=lambda p: (ests[p].step_s, p.spec))
             n = simulate_top or (top + 3 if len(graph.nodes) * world > CHEAP else max(top + 3, 48))
             chosen = order[:n]
+            chosen += [p for p in families(order, ests) if p not in chosen]
             ref = _reference(order)
             if ref is not None and ref not in chosen:
                 chosen.append(ref)
             chosen += direct
         else:
-            chosen = list(pts)
-        for i, pt in enumerate(chosen):
-            say(f"simulate {i + 1}/{len(chosen)}: {pt.spec}")
-        got = runner.map(_simulate_job, [(pt, parts.get(pt.tp).dims if pt.split == "solved"
-                                          else None) for pt in chosen])
+            order, chosen = [], list(pts)
+        sims = _simulate_all(runner, chosen, parts, say)
+        for _ in range(ROUNDS):  # the points the simulated ones say were under-rated
+            done = {pt: res[1].step_time for pt, res in sims.items() if isinstance(res, tuple)}
+            fits = [done[pt] for pt in done if max(m.peak for m in sims[pt][1].memory) <= budget]
+            more = corrected(order, ests, done, min(fits, default=math.inf), n_workers)
+            if not more:
+                break
+            notes.append("simulated after correcting the estimate by its family's measured "
+                         "bias: " + ", ".join(p.spec for p in more))
+            sims.update(_simulate_all(runner, more, parts, say))
     ranked: list[Ranked] = []
-    for pt, out in zip(chosen, got):
+    for pt, out in sims.items():
         if isinstance(out, Failed):
             excluded.append(f"{pt.spec}: " + "; ".join(f"{p.value}: {p.rule}" for p in out.problems))
             continue
@@ -213,6 +230,56 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     over.sort(key=lambda x: (x[1], x[0]))
     return SearchResult(ranked[:max(top, 1)] if top else ranked, len(pts), excluded, over[:5], c,
                         cluster, time.perf_counter() - t0, reference, notes)
+
+
+def family(pt: Point) -> tuple:
+    """The points whose estimates share a bias: one split of the block (tp, sp, solved or
+    Megatron's), one kind of gradient sum (ZeRO-3's per-unit gathers, or the rest), and
+    pipelined or not."""
+    return (pt.tp, pt.sp, pt.split, pt.zero == 3, pt.pp > 1)
+
+
+def families(order: list[Point], ests: dict[Point, Estimate]) -> list[Point]:
+    """The best-estimated point of each :func:`family` within :data:`MARGIN` of the best
+    estimate: a family the estimate under-rates still has its best point simulated."""
+    if not order:
+        return []
+    best = ests[order[0]].step_s
+    seen: set[tuple] = set()
+    out = []
+    for p in order:
+        if ests[p].step_s > best * (1 + MARGIN):
+            break
+        if family(p) not in seen:
+            seen.add(family(p))
+            out.append(p)
+    return out
+
+
+def corrected(order: list[Point], ests: dict[Point, Estimate], simulated: dict[Point, float],
+              best: float, k: int) -> list[Point]:
+    """Up to ``k`` points not yet simulated whose estimate, scaled by its family's measured
+    bias (simulated / estimated step of the family's simulated points, the largest), beats
+    ``best``, the best simulated step of a plan that fits; best first. (A family's best
+    point may be refused or found over the memory budget once simulated: its next one is
+    then worth simulating if the bias says it would win.)"""
+    bias: dict[tuple, float] = {}
+    for p, step in simulated.items():
+        if p in ests and ests[p].step_s > 0:
+            f = family(p)
+            bias[f] = max(bias.get(f, 0.0), step / ests[p].step_s)
+    out = [p for p in order if p not in simulated and family(p) in bias
+           and ests[p].step_s * bias[family(p)] < best]
+    return out[:max(k, 1)]
+
+
+def _simulate_all(runner: Runner, pts: list[Point], parts: dict[int, Partition | None],
+                  say: Callable[[str], None]) -> dict[Point, object]:
+    for i, pt in enumerate(pts):
+        say(f"simulate {i + 1}/{len(pts)}: {pt.spec}")
+    got = runner.map(_simulate_job, [(pt, parts.get(pt.tp).dims if pt.split == "solved"
+                                      else None) for pt in pts])
+    return dict(zip(pts, got))
 
 
 def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Partition | None],
@@ -314,7 +381,8 @@ def _batch(graph: Graph) -> int:
 def _in(c: Constraints, pt: Point) -> bool:
     """Whether ``pt`` is in the space ``c`` leaves."""
     return (c.tp.allows(pt.tp) and c.pp.allows(pt.pp) and c.dp.allows(pt.dp)
-            and pt.schedule in c.schedules and pt.recompute in c.recompute and pt.zero in c.zero
+            and pt.schedule in c.schedules and pt.recompute in c.recompute
+            and (pt.zero in c.zero or pt.dp == 1)
             and (c.sp or not pt.sp) and (pt.pp == 1 or c.micro.allows(pt.micro))
             and (pt.tp == 1 or pt.split in c.split)
             and (pt.schedule != "interleaved" or c.virtual.allows(pt.virtual)))

@@ -80,7 +80,7 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                     continue
                 kinds = ([(False, s) for s in c.split] + ([(True, "rule")] if c.sp else [])
                          if tp > 1 else [(False, "rule")])
-                for zero in c.zero:
+                for zero in _zeros(c.zero, dp):
                     if zero == 3 and tp > 1:
                         continue  # ZeRO-3 is the data-parallel policy's (zero3)
                     for rec in c.recompute:
@@ -98,7 +98,7 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                     for m in (m for m in divisors(local) if c.micro.allows(m) and m >= pp):
                         if sched == "interleaved" and m % pp:
                             continue
-                        for zero in (z for z in c.zero if z <= 1):
+                        for zero in _zeros([z for z in c.zero if z <= 1], dp):
                             for rec in c.recompute:
                                 for split in (c.split if tp > 1 else ("rule",)):
                                     out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False,
@@ -109,6 +109,13 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                    f"{batch} and {blocks} blocks: tp {c.tp}, pp {c.pp}, dp {c.dp}, "
                    f"micro {c.micro}, schedules {', '.join(c.schedules)}")
     return sorted(set(out)), why
+
+
+def _zeros(allowed, dp: int) -> list[int]:
+    """The ZeRO stages worth a point: without data parallelism every stage is the same
+    plan, so only the lowest allowed one."""
+    allowed = sorted(allowed)
+    return allowed if dp > 1 else allowed[:1]
 
 
 def interlaced_points(world: int, batch: int, blocks: int, c: Constraints) -> list[Point]:

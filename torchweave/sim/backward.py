@@ -52,7 +52,22 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
     r, out = prog.rank, []
     left = {u: len(ps) for u, ps in members.items()}
     kept = foot.gathered[-1] if foot.gathered else None  # forward ends with it gathered
+    order = foot.gathered[::-1]  # the order backward is expected to use the units in
+    done: set[int] = set()  # units gathered (or prefetched) in backward
+    seen: set[int] = set()  # units backward has used
     gathered: set[str] = set()
+
+    def gather(u: int, p: str, stage: int, block: int, how: str) -> None:
+        done.add(u)
+        gathered.update(members[u])
+        if u == kept:
+            return
+        grp = _mine(params[p].grad_groups, r)
+        size = sum(nbytes[q] for q in members[u])
+        out.append(Task(COMM, f"all_gather unit {u} bwd{how}", (),
+                        tuple("zb:" + q for q in members[u]),
+                        self.comm(Collective.ALL_GATHER, size, grp),
+                        ("zb", u, grp), self._meet(grp), stage, block=block))
 
     def reached(p: str, idx: int, block: int) -> None:
         """The backward of ``p``'s first reader is issued: its gradient may sync."""
@@ -74,17 +89,19 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
             cost = self.costs[ins.node]
             refs = refs_of[idx]
             for p in refs:
-                if p in unit_of and p not in gathered:
-                    u = unit_of[p]
-                    gathered.update(members[u])
-                    if u == kept:
-                        continue
-                    grp = _mine(params[p].grad_groups, r)
-                    size = sum(nbytes[q] for q in members[u])
-                    out.append(Task(COMM, f"all_gather unit {u} bwd", (),
-                                    tuple("zb:" + q for q in members[u]),
-                                    self.comm(Collective.ALL_GATHER, size, grp),
-                                    ("zb", u, grp), self._meet(grp), stage, block=block))
+                u = unit_of.get(p)
+                if u is None or u in seen:
+                    continue
+                seen.add(u)
+                if u not in done:
+                    gather(u, p, stage, block, "")
+                # A unit's first use in backward prefetches the next one
+                # (runtime/zero3.py ``_backward_unit``), before this unit's
+                # reduce-scatter takes the communication stream.
+                nxt = next((v for v in order[order.index(u) + 1:] if v not in done),
+                           None) if u in order else None
+                if nxt is not None:
+                    gather(nxt, members[nxt][0], stage, block, " (prefetch)")
             if not cost.grad:
                 continue
             waits = tuple("g:" + o for o in ins.outputs) + tuple(
