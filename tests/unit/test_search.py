@@ -11,6 +11,7 @@ import torch
 
 from torchweave.errors import TorchweaveError
 from torchweave.search import Constraints, Degrees, OpRule, load_constraints, preset, preset_names, search
+from torchweave.search.estimate import estimable
 from torchweave.search.search import _in
 from torchweave.search.space import points
 from torchweave.sim import parse_cluster
@@ -106,7 +107,7 @@ def test_search_ranks_by_the_simulator_and_is_deterministic() -> None:
     steps = [r.result.step_time for r in a.ranked]
     assert steps == sorted(steps) and len(a.ranked) == 5
     for r in a.ranked:  # every returned plan is simulated and carries the estimate's error
-        assert r.estimate is not None and r.estimate_error is not None
+        assert (r.estimate is not None and r.estimate_error is not None) or not estimable(r.point)
         assert r.plan.notes["spec"] == r.spec
         assert set(r.breakdown()) == {"step", "compute", "comm", "bubble %", "peak GiB"}
     assert a.why() and "beats the runner-up" in a.why()[0]

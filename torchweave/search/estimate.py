@@ -17,8 +17,8 @@ the batch, by arithmetic:
 - **gradient sum** over ``dp``: costed by the simulator's collective model; for
   plain data parallelism in 25 MiB buckets, all but the last hidden behind the
   backward where it is long enough; after the pipeline flush otherwise; ZeRO-1/2
-  one reduce-scatter and one gather; ZeRO-3 two gathers and a reduce-scatter per
-  unit, hidden behind compute but the first;
+  one reduce-scatter and one gather (ZeRO-3 and interlaced points are not estimated:
+  :func:`estimable`);
 - **optimizer**: AdamW's memory-bound pass over the rank's (shard of) parameters;
 - **memory**: the rank's model state (:func:`~torchweave.sim.memory.model_state_memory`)
   and activations: one block's × blocks per stage × micro-batches in flight
@@ -48,8 +48,6 @@ from torchweave.sim.fold import Blocks, cut
 from torchweave.sim.memory import model_state_memory
 from torchweave.sim.simulate import simulate
 
-BUCKET = BUCKET_BYTES
-UNIT_BYTES = 32 * 2**20  # ZeRO-3 units (sim/units.py)
 
 
 @dataclass(frozen=True)
@@ -124,8 +122,20 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
                  boundary, p4)
 
 
+def estimable(pt: Point) -> bool:
+    """Whether :func:`estimate` prices ``pt``. Not the interlaced pipeline (its stages are
+    not runs of blocks) nor ZeRO-3: its exposed time is each unit's gather against the
+    compute of the unit before, unit by unit (``runtime/zero3.py``'s one-unit prefetch),
+    which arithmetic on whole blocks misses by 6-12% (GPT-3 13B on 64 A100s). The
+    search simulates these points directly; there are few (ZeRO-3 is ``dp`` only)."""
+    return pt.schedule != "interlaced" and pt.zero < 3
+
+
 def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision: str) -> Estimate:
-    """The cost of ``pt`` from its split's proxy (see the module docstring)."""
+    """The cost of ``pt`` from its split's proxy (see the module docstring); ``pt`` must be
+    :func:`estimable`."""
+    if not estimable(pt):
+        raise ValueError(f"{pt.spec}: not priced by the estimate (see estimable)")
     f = 1.0 / (pt.dp * pt.micro)
     per_rank_blocks = n_blocks / pt.pp
     stage = (per_rank_blocks / pt.virtual) * px.block_s * f
@@ -145,7 +155,7 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     sync = 0.0
     if pt.dp > 1:
         if pt.zero == 0:
-            n = max(1, math.ceil(param_bytes / BUCKET))
+            n = max(1, math.ceil(param_bytes / BUCKET_BYTES))
             last = _seconds(cluster, Collective.ALL_REDUCE, param_bytes / n, group)
             full = n * last
             if pt.pp == 1:
@@ -153,20 +163,9 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
                 sync = max(last, full - backward)
             else:
                 sync = full
-        elif pt.zero < 3:  # one reduce-scatter after backward, one gather after AdamW
+        else:  # ZeRO-1/2: one reduce-scatter after backward, one gather after AdamW
             sync = (_seconds(cluster, Collective.REDUCE_SCATTER, param_bytes, group)
                     + _seconds(cluster, Collective.ALL_GATHER, param_bytes, group))
-        else:  # ZeRO-3: each block's unit gathered in forward and backward, reduce-scattered
-            units = []
-            for nbytes, count in ((4 * px.block_params, per_rank_blocks), (4 * px.rest_params, 1)):
-                pieces = max(1, math.ceil(nbytes / UNIT_BYTES))
-                units.append((nbytes / pieces, count * pieces))
-            each = [(2 * _seconds(cluster, Collective.ALL_GATHER, b, group)
-                     + _seconds(cluster, Collective.REDUCE_SCATTER, b, group), b, n)
-                    for b, n in units if b]
-            total = sum(t * n for t, _, n in each)
-            first = _seconds(cluster, Collective.ALL_GATHER, each[0][1], group) if each else 0.0
-            sync = first + max(0.0, total - work)  # overlapped with compute, the first exposed
     p2p = 0.0
     if pt.pp > 1:
         hop = px.boundary_bytes * f / max(pt.tp, 1)
@@ -176,7 +175,7 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     shard = param_bytes / (pt.dp if pt.zero >= 1 else 1)
     opt = 7 * shard / bw
     state = model_state_memory(elems, dp=pt.dp, stage=pt.zero, precision=precision)
-    temps = min(BUCKET, param_bytes) if pt.zero == 0 else 0
+    temps = min(BUCKET_BYTES, param_bytes) if pt.zero == 0 else 0
     if pt.zero in (1, 2) and pt.dp > 1:
         temps = model_state_memory(elems, precision=precision).grads
     if pt.pp == 1:
@@ -202,4 +201,4 @@ def _dp_group(pt: Point, cluster: Cluster) -> tuple[int, ...]:
     return tuple(range(0, pt.tp * pt.dp, pt.tp))
 
 
-__all__ = ["Estimate", "Proxy", "estimate", "proxy", "sub_cluster"]
+__all__ = ["Estimate", "Proxy", "estimable", "estimate", "proxy", "sub_cluster"]

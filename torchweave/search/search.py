@@ -25,7 +25,8 @@
    error on each is kept.
 
 Models without at least 4 identical blocks are small enough to simulate every
-point directly. Everything is deterministic: points are ordered by estimate,
+point directly; so are the interlaced and ZeRO-3 points of any model
+(:func:`~torchweave.search.estimate.estimable`). Everything is deterministic: points are ordered by estimate,
 then by their plan string.
 """
 
@@ -45,7 +46,7 @@ from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.admit import admissible, op_rules
 from torchweave.search.constraints import Constraints, preset
-from torchweave.search.estimate import Estimate, Proxy, estimate, proxy
+from torchweave.search.estimate import Estimate, Proxy, estimable, estimate, proxy
 from torchweave.search.intra import Partition, describe, solve, tp_dims
 from torchweave.search.pool import Failed, Runner, env_workers
 from torchweave.search.space import Point, points
@@ -175,9 +176,9 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
         pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
         if blocks is not None:
             proxies = _proxies(runner, graph, pts, parts, c, excluded, say)
-            direct = [pt for pt in pts if pt.schedule == "interlaced"]  # no estimate: simulated
+            direct = [pt for pt in pts if not estimable(pt)]  # simulated, never estimated
             for pt in pts:
-                if pt.schedule == "interlaced":
+                if not estimable(pt):
                     continue
                 px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split)]
                 if px is None:
