@@ -292,7 +292,7 @@ def test_zero_stages_are_one_point_without_data_parallelism() -> None:
 
 def test_each_family_under_rated_by_its_estimate_is_simulated() -> None:
     from torchweave.search.estimate import Estimate
-    from torchweave.search.search import corrected, families, family
+    from torchweave.search.select import corrected, families, family
     from torchweave.search.space import Point
 
     def pt(tp: int, zero: int, micro: int = 1) -> Point:

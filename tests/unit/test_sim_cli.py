@@ -104,6 +104,24 @@ def test_calibrate_quick_writes_a_cluster_the_simulator_accepts(tmp_path, capsys
     assert "step time" in capsys.readouterr().out
 
 
+@pytest.mark.dist
+def test_calibrate_measures_what_ranks_sharing_cores_reach_and_wait(tmp_path, capsys,
+                                                                    monkeypatch) -> None:
+    """With more ranks than cores (here: the machine said to have 1 core), calibrate times
+    every rank computing at once and the wait of a collective after compute, and writes
+    them into the cluster (its rates already a rank's share)."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    out_yaml = tmp_path / "cpu.yaml"
+    assert main(["calibrate", "--quick", "--out", str(out_yaml)]) == 0
+    out = capsys.readouterr().out
+    assert "0.5 of a core's time at 2 ranks" in out and "waits" in out
+    dev = load_cluster_yaml(out_yaml).device
+    assert 0 < dev.shared_efficiency <= 1 and dev.collective_wait == dev.shared_wait >= 0
+    assert "of the fair share reached" in dev.sources[0]
+
+
 def test_explain_checks_the_plan_fits_the_cluster(tmp_path, capsys) -> None:
     plan = tmp_path / "dp4.json"
     assert main(["plan", "gpt-tiny", "--plan", "dp", "--world-size", "4", "--out", str(plan)]) == 0

@@ -1,8 +1,11 @@
 """``torchweave calibrate``: measure this machine and save it as a cluster spec.
 
 Matmul and copy rates per rank, and gloo collectives at a few sizes and rank
-counts, fitted to an alpha-beta link model; the YAML it writes has
-``rates: measured`` and is accepted by ``--cluster``.
+counts, fitted to an alpha-beta link model. With more ranks than cores, also
+what sharing costs: the fraction of its share of a core a rank reaches with
+every rank computing at once, and the seconds each collective waits for ranks
+that arrive out of step. The YAML it writes has ``rates: measured`` and is
+accepted by ``--cluster``.
 """
 
 from __future__ import annotations
@@ -65,6 +68,23 @@ def _collective_bench(ctx, sizes: list[int], reps: int) -> list[tuple[str, int, 
     return out
 
 
+def _shared_bench(ctx, threads: int, n: int, reps: int) -> tuple[float, float]:
+    """On each rank, every rank at once: fp32 matmul FLOP/s (``n×n``), and the seconds a
+    one-float all-reduce waits when the ranks come to it from computing
+    (:func:`~torchweave.sim.profile.profile_sync`)."""
+    import torch.distributed as dist
+
+    from torchweave.sim.profile import OpProfiles, profile_sync
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    dist.barrier()
+    t = median_time(lambda: torch.mm(a, b), reps, warmup=True)
+    wait = profile_sync(OpProfiles("calibrate"), ranks=ctx.world_size,
+                        all_reduce=lambda x: dist.all_reduce(x), reps=reps)
+    return 2 * n**3 / t, wait
+
+
 def fit_alpha_beta(samples: list[tuple[str, int, int, float]]) -> tuple[float, float]:
     """Least squares α (s per step) and β (bytes/s) of the ring models:
     all_reduce 2(p-1)α + 2(p-1)/p·B/β, all_gather (p-1)α + (p-1)/p·B/β."""
@@ -106,12 +126,22 @@ def calibrate_cmd(args: argparse.Namespace, console: Console) -> int:
         bandwidth = measure_bandwidth(64 * 2**20 if args.quick else 256 * 2**20)
     finally:
         torch.set_num_threads(before)
-    # More ranks than cores: each rank gets a share of a core.
+    # More ranks than cores: each rank gets a share of a core, and less than its share
+    # where they contend (measured with every rank computing at once); a collective
+    # then also waits for its last rank to be scheduled.
     share = min(1.0, (os.cpu_count() or 1) / (ranks * threads))
-    flops, bandwidth = flops * share, bandwidth * share
+    efficiency, wait = 1.0, 0.0
+    if share < 1.0:
+        got = spawn(_shared_bench, LaunchConfig(world_size=ranks, backend="gloo", timeout_s=120.0),
+                    threads, 512, 5 if args.quick else 9)
+        together = min(r[0] for r in got)  # the slowest rank's rate
+        efficiency = min(1.0, together / (flops * share))
+        wait = statistics.median(r[1] for r in got)
+    flops, bandwidth = flops * share * efficiency, bandwidth * share * efficiency
     console.print(f"per rank ({threads} thread{'s' * (threads > 1)}, {share:.2g} of a core's time "
-                  f"at {ranks} ranks): matmul fp32 {flops / 1e9:.3g} GFLOP/s, copy "
-                  f"{bandwidth / 1e9:.3g} GB/s", highlight=False)
+                  f"at {ranks} ranks, {efficiency:.2f} of that reached): matmul fp32 "
+                  f"{flops / 1e9:.3g} GFLOP/s, copy {bandwidth / 1e9:.3g} GB/s; each collective "
+                  f"waits {wait * 1e3:.3g} ms for ranks out of step", highlight=False)
     samples = []
     for w in world_sizes:
         got = spawn(_collective_bench, LaunchConfig(world_size=w, backend="gloo", timeout_s=60.0),
@@ -134,10 +164,14 @@ def calibrate_cmd(args: argparse.Namespace, console: Console) -> int:
         intra=Link(bandwidth=beta, latency=alpha, kind="gloo over loopback (measured)"),
         node_size=ranks, rates="measured", comm_overlaps_compute=False,
         cores=None,  # the rates above are a rank's share already
+        shared_efficiency=efficiency, shared_wait=wait, collective_wait=wait,
         sources=(f"measured on {platform.node() or 'this machine'}, "
                  f"{datetime.date.today().isoformat()}: per rank fp32 matmul median "
-                 f"{flops / 1e9:.3g} GFLOP/s, {bandwidth / 1e9:.3g} GB/s copy, gloo all_reduce/all_gather at {', '.join(str(s) for s in sizes)} bytes "
-                 f"over {world_sizes} ranks, alpha-beta least squares",))
+                 f"{flops / 1e9:.3g} GFLOP/s, {bandwidth / 1e9:.3g} GB/s copy, gloo "
+                 f"all_reduce/all_gather at {', '.join(str(s) for s in sizes)} bytes "
+                 f"over {world_sizes} ranks, alpha-beta least squares; at {ranks} ranks on "
+                 f"{os.cpu_count()} cores: {efficiency:.3g} of the fair share reached, "
+                 f"{wait * 1e3:.3g} ms waited per collective",))
     cluster = Cluster(device=device, nodes=1, devices_per_node=ranks, intra=device.intra,
                       inter=device.inter, name=f"{ranks}x{device.name}")
     Path(args.out).write_text(dump_cluster_yaml(cluster))

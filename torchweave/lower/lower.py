@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from torchweave.errors import Problem
 from torchweave.ir.graph import Graph, Node, Ref
 from torchweave.lower.coshard import coshard_key, lower_region

@@ -14,15 +14,12 @@
    than a smaller one, larger ones are not tried (they only add communication),
    and the result says so.
 3. **Estimate** every point by arithmetic, drop those over the memory budget.
-4. **Re-rank**: the best ``top + 3`` points (48 on small models, :data:`CHEAP`), the best
-   point of each family whose estimates share a bias (:func:`family`, within
-   :data:`MARGIN` of the best estimate) and the best point of the ``megatron`` preset
-   (for comparison) are built as plans, checked against the constraints' op rules,
-   cuts, pins and ties, and simulated in full by the event simulator. Then, for up to
-   :data:`ROUNDS` rounds, each family's measured bias (simulated over estimated) scales
-   its other points' estimates, and those that would beat the best simulated plan are
-   simulated too (:func:`corrected`). The ranking is the simulator's; the estimate's
-   error on each is kept.
+4. **Re-rank** (:mod:`torchweave.search.select`): the best ``top + 3`` points (48 on
+   small models, :data:`CHEAP`), the best point of each family whose estimates share
+   a bias and the best point of the ``megatron`` preset (for comparison) are built as
+   plans, checked against the constraints' op rules, cuts, pins and ties, and
+   simulated in full by the event simulator; then the points their family's measured
+   bias promotes. The ranking is the simulator's; the estimate's error on each is kept.
 
 Models without at least 4 identical blocks are small enough to simulate every
 point directly; so are the interlaced and ZeRO-3 points of any model
@@ -49,18 +46,13 @@ from torchweave.search.constraints import Constraints, preset
 from torchweave.search.estimate import Estimate, Proxy, estimable, estimate, proxy
 from torchweave.search.intra import Partition, describe, solve, tp_dims
 from torchweave.search.pool import Failed, Runner, env_workers
+from torchweave.search.select import ROUNDS, corrected, families
 from torchweave.search.space import Point, points
 from torchweave.sim.cluster import Cluster
 from torchweave.sim.fold import find_blocks
 from torchweave.sim.simulate import SimResult, simulate
 
 GiB = 2**30
-MARGIN = 0.10
-"""A family's best point is simulated when its estimate is within this of the best
-estimate (the estimate's error on the plans it ranks, measured in ``bench/search.py``, is
-mostly under it)."""
-ROUNDS = 2
-"""Rounds of re-simulating points that their family's measured bias says were under-rated."""
 CHEAP = 20_000
 """Graph nodes × ranks under which a simulation costs little: the search then simulates its
 best 48 points instead of ``top + 3`` (the estimate is least accurate on small models,
@@ -231,47 +223,6 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     over.sort(key=lambda x: (x[1], x[0]))
     return SearchResult(ranked[:max(top, 1)] if top else ranked, len(pts), excluded, over[:5], c,
                         cluster, time.perf_counter() - t0, reference, notes)
-
-
-def family(pt: Point) -> tuple:
-    """The points whose estimates share a bias: one split of the block (tp, sp, solved or
-    Megatron's), one kind of gradient sum (ZeRO-3's per-unit gathers, or the rest), and
-    pipelined or not."""
-    return (pt.tp, pt.sp, pt.split, pt.zero == 3, pt.pp > 1)
-
-
-def families(order: list[Point], ests: dict[Point, Estimate]) -> list[Point]:
-    """The best-estimated point of each :func:`family` within :data:`MARGIN` of the best
-    estimate: a family the estimate under-rates still has its best point simulated."""
-    if not order:
-        return []
-    best = ests[order[0]].step_s
-    seen: set[tuple] = set()
-    out = []
-    for p in order:
-        if ests[p].step_s > best * (1 + MARGIN):
-            break
-        if family(p) not in seen:
-            seen.add(family(p))
-            out.append(p)
-    return out
-
-
-def corrected(order: list[Point], ests: dict[Point, Estimate], simulated: dict[Point, float],
-              best: float, k: int) -> list[Point]:
-    """Up to ``k`` points not yet simulated whose estimate, scaled by its family's measured
-    bias (simulated / estimated step of the family's simulated points, the largest), beats
-    ``best``, the best simulated step of a plan that fits; best first. (A family's best
-    point may be refused or found over the memory budget once simulated: its next one is
-    then worth simulating if the bias says it would win.)"""
-    bias: dict[tuple, float] = {}
-    for p, step in simulated.items():
-        if p in ests and ests[p].step_s > 0:
-            f = family(p)
-            bias[f] = max(bias.get(f, 0.0), step / ests[p].step_s)
-    out = [p for p in order if p not in simulated and family(p) in bias
-           and ests[p].step_s * bias[family(p)] < best]
-    return out[:max(k, 1)]
 
 
 def _simulate_all(runner: Runner, pts: list[Point], parts: dict[int, Partition | None],

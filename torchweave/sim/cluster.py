@@ -72,15 +72,16 @@ class Cluster:
         cores = self.device.cores
         if cores is not None and self.devices_per_node > cores:
             # more ranks than cores on a node: each runs a share of the time
-            share = cores / self.devices_per_node
+            share = cores / self.devices_per_node * self.device.shared_efficiency
             peak = dataclasses.replace(self.device.peak, **{
                 f.name: getattr(self.device.peak, f.name) * share
                 for f in dataclasses.fields(self.device.peak) if getattr(self.device.peak, f.name)})
             object.__setattr__(self, "device", dataclasses.replace(
                 self.device, peak=peak, memory_bandwidth=self.device.memory_bandwidth * share,
-                cores=None, description=f"{self.device.description}; here {self.devices_per_node} "
-                                        f"ranks share the node's {cores} cores, each at {share:.3g} "
-                                        f"of a core's rates"))
+                collective_wait=self.device.shared_wait, cores=None,
+                description=f"{self.device.description}; here {self.devices_per_node} ranks "
+                            f"share the node's {cores} cores, each at {share:.3g} of a core's "
+                            f"rates"))
             object.__setattr__(self, "intra", dataclasses.replace(
                 self.intra, bandwidth=self.intra.bandwidth * share))
 

@@ -170,9 +170,11 @@ def collective_options(cluster: Cluster, collective: Collective, nbytes: int,
     per_node = Counter(cluster.node_of(r) for r in group)
     p, n, k = len(group), len(per_node), max(per_node.values())
 
+    wait = cluster.device.collective_wait if p > 1 else 0.0  # ranks arriving out of step
+
     def cost(alg: Algorithm, seconds: float) -> CommCost:
-        return CommCost(collective=collective, algorithm=alg, seconds=seconds, nbytes=nbytes,
-                        ranks=p, nodes=n)
+        return CommCost(collective=collective, algorithm=alg, seconds=seconds + wait,
+                        nbytes=nbytes, ranks=p, nodes=n)
 
     if p == 1:
         return [cost(Algorithm.LOCAL, 0.0)]

@@ -24,14 +24,18 @@ GiB = 2**30
 TFLOPS = 1e12
 
 
-def positive_problems(where: str, obj: object) -> list[Problem]:
-    """A :class:`Problem` for each int/float field of ``obj`` that is not > 0."""
+def positive_problems(where: str, obj: object, zero_ok: tuple[str, ...] = ()) -> list[Problem]:
+    """A :class:`Problem` for each int/float field of ``obj`` that is not > 0 (not >= 0
+    for the fields named in ``zero_ok``)."""
     out = []
     for f in fields(obj):  # type: ignore[arg-type]
         v = getattr(obj, f.name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0:
-            out.append(Problem(obj=f"{where}.{f.name}", value=repr(v), rule="must be > 0",
-                               fix=f"give {f.name} a positive value"))
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (
+                v > 0 or (f.name in zero_ok and v == 0)):
+            rule = "must be >= 0" if f.name in zero_ok else "must be > 0"
+            sign = "non-negative" if f.name in zero_ok else "positive"
+            out.append(Problem(obj=f"{where}.{f.name}", value=repr(v), rule=rule,
+                               fix=f"give {f.name} a {sign} value"))
     return out
 
 
@@ -121,13 +125,31 @@ class Device:
     cores: int | None = None
     """A CPU device: the cores of its node, where each rank is given one. A node
     running more ranks than that shares them: :class:`~torchweave.sim.cluster.Cluster`
-    then gives each rank ``cores / ranks`` of the peak, the memory bandwidth and the
-    bandwidth between ranks of the node (gloo's copies and sums run on those cores
-    too). ``None``: a device of its own per rank (a GPU)."""
+    then gives each rank ``cores / ranks × shared_efficiency`` of the peak, the memory
+    bandwidth and the bandwidth between ranks of the node (gloo's copies and sums run on
+    those cores too), and ``shared_wait`` as its ``collective_wait``. ``None``: a device
+    of its own per rank (a GPU)."""
+    shared_efficiency: float = 1.0
+    """Ranks outnumbering the cores: the fraction of its fair share (``cores / ranks``) of
+    a core's rates that a rank reaches (time slicing, caches shared), as ``torchweave
+    calibrate`` measures it with every rank computing at once."""
+    shared_wait: float = 0.0
+    """Ranks outnumbering the cores: seconds each collective waits for its last rank,
+    which the scheduler has not yet run (ranks arrive out of step), as ``calibrate``
+    measures it (:func:`~torchweave.sim.profile.profile_sync`)."""
+    collective_wait: float = 0.0
+    """Seconds added to every collective of more than one rank for ranks arriving out of
+    step; 0 where each rank has its own device (ranks run in step), ``shared_wait`` on
+    a node whose ranks share cores."""
 
     def __post_init__(self) -> None:
         where = f"device {self.name}"
-        problems = positive_problems(where, self) + positive_problems(f"{where}.peak", self.peak)
+        problems = positive_problems(where, self, zero_ok=("shared_wait", "collective_wait")) \
+            + positive_problems(f"{where}.peak", self.peak)
+        if not 0 < self.shared_efficiency <= 1:
+            problems.append(Problem(obj=f"{where}.shared_efficiency",
+                                    value=repr(self.shared_efficiency), rule="in (0, 1]",
+                                    fix="measure it with torchweave calibrate, or leave 1"))
         if not self.sources:
             problems.append(Problem(obj=f"{where}.sources", value="()",
                                     rule="every device cites where its numbers come from",
@@ -255,9 +277,13 @@ _ENTRIES = (
                    kind="gloo over loopback (4 MiB all-reduce ~ 4 ms at 2 ranks)"),
         inter=Link(bandwidth=1.25 * GB / 2, latency=100e-6, kind="10 Gb/s Ethernet (estimate)"),
         node_size=2, price_per_hour=0.04, rates="measured", comm_overlaps_compute=False, cores=2,
+        shared_efficiency=0.75, shared_wait=3.9e-3,
         sources=("PLATFORM.md, 'Speed and memory on these 2 cores': GPT step at ~170 GFLOP/s "
                  "on 2 threads, split over 2 ranks (measured 2026-12-01)",
-                 "PLATFORM.md, 'torch.distributed on gloo': 4 MiB all-reduce ~ 4 ms at 2 ranks"),
+                 "PLATFORM.md, 'torch.distributed on gloo': 4 MiB all-reduce ~ 4 ms at 2 ranks",
+                 "shared_efficiency and shared_wait: `torchweave calibrate --world-sizes 4` on "
+                 "this machine, 4 ranks on 2 cores, 2026-12-03, the median of three runs "
+                 "(efficiency 1.00, 0.75, 0.74; wait 3.88, 2.74, 6.94 ms: the machine is shared)"),
     ),
 )
 
