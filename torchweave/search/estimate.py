@@ -14,11 +14,11 @@ the batch, by arithmetic:
   plus the rest, scaled by the micro-batch's share of the batch;
 - **bubble**: the schedule's fill and drain, ``(pp − 1)`` stage times for GPipe and
   1F1B, ``(pp − 1)/virtual`` for interleaved, a third of 1F1B's for ZB-H1;
-- **gradient sum** over ``dp``: costed by the simulator's collective model; for
-  plain data parallelism in 25 MiB buckets, all but the last hidden behind the
-  backward where it is long enough; after the pipeline flush otherwise; ZeRO-1/2
-  one reduce-scatter and one gather (ZeRO-3 and interlaced points are not estimated:
-  :func:`estimable`);
+- **gradient sum** over ``dp``, in the compute dtype: costed by the simulator's
+  collective model; for plain data parallelism in 25 MiB buckets, all but the last
+  hidden behind the backward where it is long enough; after the pipeline flush
+  otherwise; ZeRO-1 one all-reduce (ZeRO-2 one reduce-scatter) and one gather of the
+  updated shards (ZeRO-3 and interlaced points are not estimated: :func:`estimable`);
 - **optimizer**: AdamW's memory-bound pass over the rank's (shard of) parameters;
 - **memory**: the rank's model state (:func:`~torchweave.sim.memory.model_state_memory`)
   and activations: one block's × blocks per stage × micro-batches in flight
@@ -150,7 +150,9 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     else:
         bubble = (pt.pp - 1) * (stage + rest)
     elems = int(per_rank_blocks * px.block_params + px.rest_params)
-    param_bytes = 4 * elems  # gradients are summed in fp32
+    # Gradients are summed, and ZeRO's shards gathered, in the compute dtype (as the
+    # simulator's tasks do: sim/tasks.py ``itemsize``).
+    param_bytes = (2 if precision == "bf16-mixed" else 4) * elems
     group = _dp_group(pt, cluster)
     sync = 0.0
     if pt.dp > 1:
@@ -163,8 +165,10 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
                 sync = max(last, full - backward)
             else:
                 sync = full
-        else:  # ZeRO-1/2: one reduce-scatter after backward, one gather after AdamW
-            sync = (_seconds(cluster, Collective.REDUCE_SCATTER, param_bytes, group)
+        else:  # ZeRO-1: one all-reduce after backward (ZeRO-2: a reduce-scatter), one gather
+            # of the updated shards after AdamW
+            coll = Collective.REDUCE_SCATTER if pt.zero == 2 else Collective.ALL_REDUCE
+            sync = (_seconds(cluster, coll, param_bytes, group)
                     + _seconds(cluster, Collective.ALL_GATHER, param_bytes, group))
     p2p = 0.0
     if pt.pp > 1:
@@ -172,7 +176,7 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         link = cluster.inter if pt.tp * pt.dp >= cluster.devices_per_node else cluster.intra
         p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
-    shard = param_bytes / (pt.dp if pt.zero >= 1 else 1)
+    shard = 4 * elems / (pt.dp if pt.zero >= 1 else 1)  # AdamW's fp32 words
     opt = 7 * shard / bw
     state = model_state_memory(elems, dp=pt.dp, stage=pt.zero, precision=precision)
     temps = min(BUCKET_BYTES, param_bytes) if pt.zero == 0 else 0

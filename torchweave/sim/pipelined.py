@@ -48,7 +48,7 @@ class Sums:
     nbytes: float
     seconds: float
     group: tuple[int, ...]
-    """The group of the first of them."""
+    """Their group (the first one's, where sums of several groups are added)."""
 
     def __add__(self, other: "Sums") -> "Sums":
         return Sums(self.count + other.count, self.nbytes + other.nbytes,
@@ -70,10 +70,12 @@ class RankCosts:
     """Stage → bytes its ops save for backward."""
     boundary: dict[int, float] = field(default_factory=dict)
     """Stage → bytes it receives from other stage groups."""
-    syncs: dict[frozenset[int], Sums] = field(default_factory=dict)
-    """Gradient sums after the schedule, by the stages whose gradients they wait on."""
-    gathers: Sums | None = None
-    """ZeRO-1/2: the all-gather of the updated parameter shards, after the optimizer."""
+    syncs: dict[tuple[frozenset[int], tuple[int, ...]], Sums] = field(default_factory=dict)
+    """Gradient sums after the schedule, by the stages whose gradients they wait on and
+    their group (sums over different groups cost differently: never one entry)."""
+    gathers: dict[tuple[int, ...], Sums] = field(default_factory=dict)
+    """ZeRO-1/2: the all-gathers of the updated parameter shards after the optimizer, by
+    group."""
     rest: float = 0.0
     """Seconds of the other tasks of no stage (the optimizer), after the sums."""
     stage_comm: float = 0.0
@@ -84,7 +86,7 @@ class RankCosts:
     @property
     def after(self) -> float:
         """Seconds after the sums: the optimizer and the rest, and the ZeRO-1/2 gather."""
-        return self.rest + (self.gathers.seconds if self.gathers else 0.0)
+        return self.rest + sum(s.seconds for s in self.gathers.values())
 
     @property
     def tail(self) -> float:
@@ -95,7 +97,7 @@ class RankCosts:
     def comm(self) -> float:
         """Communication seconds of the whole step, transfers between stage groups excluded."""
         return (self.stage_comm + sum(s.seconds for s in self.syncs.values())
-                + (self.gathers.seconds if self.gathers else 0.0))
+                + sum(s.seconds for s in self.gathers.values()))
 
 
 def rank_costs(tasks: list[Task], foot: Footprint) -> RankCosts:
@@ -119,9 +121,11 @@ def rank_costs(tasks: list[Task], foot: Footprint) -> RankCosts:
         one = Sums(1, t.nbytes, t.dur, tuple(t.key[-1]) if kind in ("g", "zp") else ())
         if kind == "g":
             stages = frozenset().union(*(made_in[w] for w in t.waits)) if t.waits else frozenset()
-            out.syncs[stages] = out.syncs[stages] + one if stages in out.syncs else one
+            key = (stages, one.group)
+            out.syncs[key] = out.syncs[key] + one if key in out.syncs else one
         elif kind == "zp":
-            out.gathers = out.gathers + one if out.gathers else one
+            g = out.gathers
+            g[one.group] = g[one.group] + one if one.group in g else one
         else:
             out.rest += t.dur
             if t.kind == COMM:
@@ -186,7 +190,7 @@ def finish_times(plan: Plan, step: PipelineStep, costs: dict[int, RankCosts], *,
     for r, c in costs.items():
         q = group_of[r]
         ready = []
-        for stages, sums in c.syncs.items():
+        for (stages, _), sums in c.syncs.items():
             early = overlap and plan.zero == 0 and stages and all((q, s) in last for s in stages)
             ready.append((max(last[(q, s)] for s in stages) if early else ends[q], sums.seconds))
         clock = 0.0

@@ -111,12 +111,14 @@ class _Small:
     grads: dict[int, list[tuple[str, tuple[int, ...], float, frozenset[int], int | None]]]
     """Per rank: (parameter, group, bytes, stages making its gradient, block) in the
     order backward reaches them."""
+    zero_group: dict[int, int]
+    """Per rank: the largest group its ZeRO shards are over (the full plan's size)."""
 
 
 def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShape, k: int, *,
                     dtype, model: ComputeModel, bucket_bytes: int, profiles) -> _Small | None:
     from torchweave.lower.lower import lower
-    from torchweave.sim.simulate import _memory
+    from torchweave.sim.simulate import _memory, _zero_group
     from torchweave.sim.tasks import Builder
 
     g, sized, lowered = small_models(graph, plan, shape, k)
@@ -140,7 +142,7 @@ def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShap
     ranks = sorted(costs)
     mem = _memory(sized, programs, feet, ranks, dtype, {r: 0 for r in ranks})
     return _Small(costs, dict(zip(ranks, mem)), feet, sum(c.model_flops for c in builder.costs.values()),
-                  builder, grads)
+                  builder, grads, {p.rank: _zero_group(sized, p, p.rank) for p in programs})
 
 
 def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShape, *,
@@ -204,10 +206,12 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
             sync = Collective.REDUCE_SCATTER if plan.zero >= 2 else Collective.ALL_REDUCE
             syncs = {}
             for key in a.syncs.keys() | b.syncs.keys():
-                full_key = frozenset(to_full[s] for s in key)
-                nb = sum(n[s] for s in full_key) if key else blocks
-                syncs[full_key] = resum(a.syncs.get(key), b.syncs.get(key), nb,
-                                        len(key) if key else v, sync)
+                stages, grp = key
+                full_stages = frozenset(to_full[s] for s in stages)
+                nb = sum(n[s] for s in full_stages) if stages else blocks
+                got = resum(a.syncs.get(key), b.syncs.get(key), nb, len(stages) if stages else v,
+                            sync)
+                syncs[(full_stages, got.group)] = got
             largest = max([two.feet[r2].bucket]
                           + [x.nbytes for x in syncs.values() if x.count == 1])
             if plan.zero == 0:  # buckets close every ``bucket_bytes``: rebucket the full rank
@@ -222,12 +226,15 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                     for grp, size, key in full:
                         grp = tuple(d + shift for d in grp)
                         one_sum = Sums(1, size, builder.comm(sync, size, grp), grp)
-                        syncs[key] = syncs[key] + one_sum if key in syncs else one_sum
+                        k = (key, grp)
+                        syncs[k] = syncs[k] + one_sum if k in syncs else one_sum
             c = RankCosts(
                 fwd=per_stage(a.fwd, b.fwd), bwd=per_stage(a.bwd, b.bwd),
                 activations={s: round(x) for s, x in per_stage(a.activations, b.activations).items()},
                 boundary=per_stage(a.boundary, b.boundary, whole=True), syncs=syncs,
-                gathers=resum(a.gathers, b.gathers, blocks, v, Collective.ALL_GATHER),
+                gathers={x.group: x for x in (
+                    resum(a.gathers.get(k), b.gathers.get(k), blocks, v, Collective.ALL_GATHER)
+                    for k in a.gathers.keys() | b.gathers.keys())},
                 rest=ex(a.rest, b.rest, blocks, v),
                 stage_comm=ex(a.stage_comm, b.stage_comm, blocks, v),
                 extra_activations=round(ex(a.extra_activations, b.extra_activations, blocks, v)))
@@ -238,8 +245,8 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
             # bucket that is one sum grows with the blocks; once buckets close they do not),
             # and ZeRO-1/2's full local gradients (affine).
             temps = max(two.feet[r2].held, round(largest))
-            if plan.zero in (1, 2) and shape.dp > 1:
-                temps = max(temps, mem["grads"] * shape.dp)
+            if plan.zero in (1, 2) and two.zero_group[r2] > 1:
+                temps = max(temps, mem["grads"] * two.zero_group[r2])
             mem["temporaries"] = temps
             r = q * g + j
             costs[r], memory[r] = c, MemoryUse(**mem)
