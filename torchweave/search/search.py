@@ -162,12 +162,18 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     n_workers = workers if workers is not None else (env_workers() or 1)
     with Runner(n_workers, graph=graph, blocks=blocks, cluster=cluster, dtype=dtype,
                 precision=precision, world=world, constraints=c) as runner:
-        for tp in sorted({p.tp for p in pts if p.split == "solved"}):
+        def solve_tp(tp: int) -> Partition | None:
             say(f"solve each op's split for tp={tp}")
             parts[tp] = _solve(graph, cluster, tp, world, c, dtype, excluded, notes)
+            return parts[tp]
+
+        if blocks is None:  # every point is simulated: every degree's split is needed
+            for tp in sorted({p.tp for p in pts if p.split == "solved"}):
+                solve_tp(tp)
+        else:  # solved as the proxies reach each degree (larger ones may not be tried)
+            proxies = _proxies(runner, graph, pts, parts, solve_tp, c, excluded, say)
         pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
         if blocks is not None:
-            proxies = _proxies(runner, graph, pts, parts, c, excluded, say)
             direct = [pt for pt in pts if not estimable(pt)]  # simulated, never estimated
             for pt in pts:
                 if not estimable(pt):
@@ -235,15 +241,19 @@ def _simulate_all(runner: Runner, pts: list[Point], parts: dict[int, Partition |
 
 
 def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Partition | None],
-             c: Constraints, excluded: list[str], say: Callable[[str], None]
-             ) -> dict[tuple, Proxy | None]:
+             solve_tp: Callable[[int], Partition | None], c: Constraints, excluded: list[str],
+             say: Callable[[str], None]) -> dict[tuple, Proxy | None]:
     """One proxy per way of splitting a block, a degree at a time (its ways at once), larger
-    degrees only while they make a block faster."""
+    degrees only while they make a block faster; a degree's solved split is solved
+    (``solve_tp``, into ``parts``) when the degree is reached."""
     proxies: dict[tuple, Proxy | None] = {}
     keys = sorted({(p.tp, p.sp, p.recompute, p.split) for p in pts})
     stop = None
     for tp in sorted({k[0] for k in keys}):
         group = [k for k in keys if k[0] == tp]
+        if stop is None and any(k[3] == "solved" for k in group) and solve_tp(tp) is None:
+            proxies.update((k, None) for k in group if k[3] == "solved")
+            group = [k for k in group if k[3] != "solved"]
         if stop is not None:
             proxies.update((k, None) for k in group)
             continue
