@@ -11,12 +11,17 @@ its space by its estimate and simulates the best (``megatron`` is therefore
 the best of its space *as the search finds it*, not an exhaustive grid of
 simulations).
 
-Columns: the winner and its simulated step time per preset, and two ratios,
-each "how many times faster": free/megatron (≥ 1: the whole space did at
-least as well as Megatron's) and free/nnscaler (≥ 1: nnScaler's space is never
-better than free, the issue's check). Seconds are this machine's search time.
+With ``--grid``, a fourth row per model: the ``megatron`` space searched
+exhaustively (``search(..., exhaustive=True)``: every point built and simulated,
+none estimated), the issue's baseline; it takes minutes per model on this
+machine, so clusters of more than 64 GPUs are left without it (marked "not run").
 
-Run: python bench/search_quality.py [--only NAME ...] [--readme]
+Columns: the winner and its simulated step time per preset, and "free/this": how
+many times faster free's winner is than this row's (≥ 1: the whole space did at
+least as well; on the nnscaler row, nnScaler's space is never better than free,
+the issue's check). Seconds are this machine's search time.
+
+Run: python bench/search_quality.py [--only NAME ...] [--grid] [--readme]
 (``--readme`` rewrites the table in ``docs/search.md``.)
 """
 
@@ -33,6 +38,11 @@ from readme_section import write_section
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "search.md"
 PRESETS = ("megatron", "nnscaler", "free")
+GRID = "megatron grid"
+"""The megatron space searched exhaustively (``--grid``)."""
+GRID_MAX = 64
+"""Clusters up to this many GPUs get the exhaustive grid (larger ones take half an hour
+or more per model on this machine)."""
 
 
 def gpt(layers: int, d: int, heads: int, batch: int, seq: int = 2048, vocab: int = 50304):
@@ -106,9 +116,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", metavar="NAME", help="these rows (names as in CASES)")
     ap.add_argument("--readme", action="store_true", help="write the table into docs/search.md")
+    ap.add_argument("--grid", action="store_true",
+                    help="also search the megatron space exhaustively (minutes per model)")
     args = ap.parse_args()
-    rows = ["| model | cluster | batch | preset | winner | step s | search s | free/megatron | "
-            "free/nnscaler |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | cluster | batch | preset | winner | step s | search s | free/this |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, (build, spec) in CASES.items():
         if args.only and name not in args.only:
             continue
@@ -117,23 +129,30 @@ def main() -> int:
         g = torchweave.capture(model, inputs)
         cluster = parse_cluster(spec)
         best: dict[str, tuple[str, float, float]] = {}
-        for p in PRESETS:
+        runs = [(p, p, False) for p in PRESETS]
+        if args.grid:
+            runs.insert(1, (GRID, "megatron", True))
+        for label, p, every in runs:
+            if every and cluster.size > GRID_MAX:
+                best[label] = (f"not run (over {GRID_MAX} GPUs: too slow here)", float("nan"), 0.0)
+                continue
             t0 = time.perf_counter()
             try:
-                res = search(g, cluster, p, top=1, dtype=torch.bfloat16,
+                res = search(g, cluster, p, top=1, dtype=torch.bfloat16, exhaustive=every,
                              workers=default_workers(len(g.nodes), cluster.size))
-                best[p] = (res.best.spec, res.best.result.step_time, time.perf_counter() - t0)
+                best[label] = (res.best.spec, res.best.result.step_time, time.perf_counter() - t0)
             except TorchweaveError as exc:
-                best[p] = (f"none fits ({exc.problems[0].value})", float("inf"),
-                           time.perf_counter() - t0)
-            print(f"{name} {p}: {best[p][0]} {best[p][1]:.4g} s ({best[p][2]:.1f} s)", flush=True)
+                best[label] = (f"none fits ({exc.problems[0].value})", float("inf"),
+                               time.perf_counter() - t0)
+            print(f"{name} {label}: {best[label][0]} {best[label][1]:.4g} s "
+                  f"({best[label][2]:.1f} s)", flush=True)
         free = best["free"][1]
-        for p in PRESETS:
-            spec_, step, secs = best[p]
-            ratio = lambda other: f"{best[other][1] / free:.3f}" if free < float("inf") else "-"  # noqa: E731
-            rows.append(f"| {name} | {spec} | {inputs[0].shape[0]} | {p} | `{spec_}` | {step:.4g} | "
-                        f"{secs:.1f} | {ratio('megatron') if p == 'free' else ''} | "
-                        f"{ratio('nnscaler') if p == 'free' else ''} |")
+        for label in [r[0] for r in runs]:
+            spec_, step, secs = best[label]
+            ratio = (f"{step / free:.3f}" if free < float("inf") and label != "free"
+                     and step == step else "")
+            rows.append(f"| {name} | {spec} | {inputs[0].shape[0]} | {label} | `{spec_}` | "
+                        f"{step:.4g} | {secs:.1f} | {ratio} |")
         if args.readme:  # after every model, so that a long run keeps what it has
             write_section("search-quality", "python bench/search_quality.py --readme "
                           "(rows of other models kept from earlier runs with --only)",

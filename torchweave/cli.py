@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", metavar="NAME",
                     help="auto: a preset constraint set (megatron, zero3, dp, nnscaler, alpa, free)")
     pl.add_argument("--top", type=int, default=5, help="auto: how many plans to rank (default 5)")
+    pl.add_argument("--exhaustive", action="store_true",
+                    help="auto: simulate every point of the space instead of the best estimated "
+                         "(slow: minutes on large models; a baseline for the search)")
     pl.add_argument("--clusters", metavar="A,B,...",
                     help="auto: search each cluster (specs or YAML paths, comma-separated) and "
                          "rank their best plans by dollars per million tokens after goodput")

@@ -45,6 +45,7 @@ def run_search(args: argparse.Namespace, console: Console, graph, cluster, world
     with console.status("searching") as status:
         result = search(graph, cluster, constraints, world_size=world, top=args.top,
                         workers=default_workers(len(graph.nodes), world),
+                        exhaustive=getattr(args, "exhaustive", False),
                         progress=lambda msg: status.update(escape(msg)))
     table = Table(title=f"{graph.model_name}: the best plans on {cluster} "
                         f"({constraints.name}; {result.considered} points, "

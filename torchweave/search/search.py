@@ -131,13 +131,15 @@ class SearchResult:
 def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None = None, *,
            world_size: int | None = None, top: int = 5, simulate_top: int | None = None,
            dtype: torch.dtype | None = None, workers: int | None = None,
-           progress: Callable[[str], None] | None = None) -> SearchResult:
+           exhaustive: bool = False, progress: Callable[[str], None] | None = None
+           ) -> SearchResult:
     """The best plans for ``graph`` on ``cluster`` within ``constraints`` (a
     :class:`Constraints`, a preset name; default ``free``). ``workers``: processes for
     the proxies and simulations (default 1, or ``TORCHWEAVE_SEARCH_WORKERS``; ``torchweave
     plan`` passes :func:`~torchweave.search.pool.default_workers`, the cores for a large
     search; a script that passes more needs the ``__main__`` guard). The result does not
-    depend on it."""
+    depend on it. ``exhaustive``: every point of the space is built and simulated, none
+    estimated (the baseline the search is judged against; slow on large models)."""
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     c = preset(constraints or "free") if not isinstance(constraints, Constraints) else constraints
@@ -167,13 +169,13 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             parts[tp] = _solve(graph, cluster, tp, world, c, dtype, excluded, notes)
             return parts[tp]
 
-        if blocks is None:  # every point is simulated: every degree's split is needed
+        if blocks is None or exhaustive:  # every point simulated: every degree's split needed
             for tp in sorted({p.tp for p in pts if p.split == "solved"}):
                 solve_tp(tp)
         else:  # solved as the proxies reach each degree (larger ones may not be tried)
             proxies = _proxies(runner, graph, pts, parts, solve_tp, c, excluded, say)
         pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
-        if blocks is not None:
+        if blocks is not None and not exhaustive:
             direct = [pt for pt in pts if not estimable(pt)]  # simulated, never estimated
             for pt in pts:
                 if not estimable(pt):
