@@ -218,3 +218,28 @@ def test_a_folded_block_is_priced_once_per_layer() -> None:
                              if g.values[r.name].kind == "param")
         whole = price(g, cluster, {n.name: None for n in g.nodes}, tp=2, world=2)
         assert whole == pytest.approx(compute + adam, rel=1e-9), layers
+
+
+def test_ties_are_equalities_of_the_program_and_the_search_keeps_them() -> None:
+    """``ties: [[q_proj, k_proj]]``: the two projections' matrix products take one split
+    (and their bias additions one), posed to the solver, not checked after it."""
+    from torchweave.search import Constraints, Degrees
+    from torchweave.search.admit import admissible, tied
+    from torchweave.search.space import Point
+
+    g, cluster = _gpt(), fast(8)
+    group = ("blocks.*.attn.q_proj", "blocks.*.attn.k_proj")
+    cols = tied(g, group)
+    assert cols and all(len({g.node(n).target for n in c}) == 1 for c in cols)
+    rule = (OpRule(module="blocks.*.attn.k_proj", split=("k",)),)  # k_proj: rows only
+    free = solve(g, cluster, tp=2, world=8, rules=rule)
+    bound = solve(g, cluster, tp=2, world=8, rules=rule, ties=(group,))
+    assert any(len({free.dims[n] for n in c}) > 1 for c in cols)  # untied: they differ
+    assert all(len({bound.dims[n] for n in c}) == 1 for c in cols)
+    assert bound.cost >= free.cost
+    c = Constraints(tp=Degrees(only=(2,)), split=("solved",), ops=rule, ties=(group,))
+    plan = PlanSpec.parse("tp:tp=2,dp=4,split=solved").build(g, 8, dims=bound.dims)
+    pt = Point(2, 1, 4, 1, "none", 1, "none", 0, False, "solved")
+    assert admissible(plan, g, c, pt) is None
+    plan = PlanSpec.parse("tp:tp=2,dp=4,split=solved").build(g, 8, dims=free.dims)
+    assert "ties" in admissible(plan, g, c, pt)

@@ -71,15 +71,29 @@ def admissible(plan: Plan, graph: Graph, c: Constraints, pt: Point) -> str | Non
                     return (f"{node.module} is pinned to stage {want}, but the plan runs it on "
                             f"stage {pipe.stage_of[node.name]}")
     for group in c.ties:
-        seen = None
-        for node in graph.nodes:
-            if any(fnmatch.fnmatchcase(node.module or "", g) for g in group):
-                sig = tuple((t.dim, t.parts) for t in plan.transforms(node.name))
-                if seen is not None and sig != seen[1]:
-                    return (f"ties {list(group)}: {seen[0]} is split {seen[1]} but {node.name} "
+        for names in tied(graph, group):
+            sigs = [(n, tuple((t.dim, t.parts) for t in plan.transforms(n))) for n in names]
+            for n, sig in sigs[1:]:
+                if sig != sigs[0][1]:
+                    return (f"ties {list(group)}: {sigs[0][0]} is split {sigs[0][1]} but {n} "
                             f"{sig}")
-                seen = seen or (node.name, sig)
     return None
 
 
-__all__ = ["admissible", "op_rules"]
+def tied(graph, group: tuple[str, ...]) -> list[list[str]]:
+    """The node names a tie makes share one partition: the modules the globs select are
+    lined up op by op (a module's i-th op with every other's i-th op of the same type), so
+    ``[q_proj, k_proj]`` ties their matrix products together and their bias additions
+    together, not a product to an addition."""
+    by_module: dict[str, list] = {}
+    for node in graph.nodes:
+        if any(fnmatch.fnmatchcase(node.module or "", g) for g in group):
+            by_module.setdefault(node.module or "", []).append(node)
+    columns: dict[tuple[int, str], list[str]] = {}
+    for nodes in by_module.values():
+        for i, node in enumerate(nodes):
+            columns.setdefault((i, node.target), []).append(node.name)
+    return [names for names in columns.values() if len(names) > 1]
+
+
+__all__ = ["admissible", "op_rules", "tied"]

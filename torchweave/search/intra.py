@@ -62,6 +62,7 @@ from scipy.sparse import coo_matrix
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
+from torchweave.search.admit import tied
 from torchweave.search.constraints import OpRule
 from torchweave.search.pricing import WHOLE, Model
 from torchweave.sim.cluster import Cluster
@@ -91,27 +92,29 @@ class Partition:
 # ------------------------------------------------------------------ solve
 def solve(graph: Graph, cluster: Cluster, *, tp: int, world: int, dtype: torch.dtype | None = None,
           rules: tuple[OpRule, ...] = (), memory: float | None = None,
-          time_limit: float = 10.0) -> Partition:
+          ties: tuple[tuple[str, ...], ...] = (), time_limit: float = 10.0) -> Partition:
     """The fastest partition of every op on the ``tp`` axis under the solver's model, within
-    ``memory`` bytes per device where given.
+    ``memory`` bytes per device where given, the ops each tie lines up
+    (:func:`~torchweave.search.admit.tied`) taking one choice: equalities of the program.
 
     Where the fastest splits nothing but batches (data parallelism over ``tp``, which a
     search prices as its own point), the answer is the fastest that splits the model, batch
     dims left out of the choices; the batch-only answer stands only where no other meets
     the rules (:attr:`Partition.batch_only`)."""
     t0 = time.perf_counter()
-    part = _solve(graph, cluster, tp, world, dtype, rules, memory, time_limit, batch=True)
+    part = _solve(graph, cluster, tp, world, dtype, rules, memory, ties, time_limit, batch=True)
     if part.batch_only:
         try:
-            part = _solve(graph, cluster, tp, world, dtype, rules, memory, time_limit, batch=False)
+            part = _solve(graph, cluster, tp, world, dtype, rules, memory, ties, time_limit,
+                          batch=False)
         except TorchweaveError:
             pass
     return replace(part, seconds=time.perf_counter() - t0)
 
 
 def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, dtype: torch.dtype | None,
-           rules: tuple[OpRule, ...], memory: float | None, time_limit: float, *,
-           batch: bool) -> Partition:
+           rules: tuple[OpRule, ...], memory: float | None,
+           ties: tuple[tuple[str, ...], ...], time_limit: float, *, batch: bool) -> Partition:
     t0 = time.perf_counter()
     m = Model(graph, cluster, tp, world, dtype=dtype, rules=rules, batch=batch)
     names = list(m.ops)
@@ -135,6 +138,19 @@ def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, dtype: torch.dty
     for name in names:  # one choice per op
         row([(col[(name, ch)], 1.0) for ch in m.ops[name].choices], 1.0, 1.0)
     binary = len(cost)
+    for group in ties:  # tied ops take one choice; a choice one of them lacks, neither
+        for column in tied(graph, group):
+            reps = list(dict.fromkeys(m.rep[n] for n in column))
+
+            def choices(r: str) -> tuple:  # an op the model leaves no choice runs whole
+                return tuple(m.ops[r].choices) if r in m.ops else (WHOLE,)
+
+            for other in reps[1:]:
+                for ch in dict.fromkeys(choices(reps[0]) + choices(other)):
+                    if ch not in choices(reps[0]) or ch not in choices(other) or {
+                            reps[0], other} <= set(m.ops):
+                        row([(col[(r, ch)], sign) for r, sign in ((reps[0], 1.0), (other, -1.0))
+                             if r in m.ops and ch in m.ops[r].choices], 0.0, 0.0)
     if memory is not None:
         row([(col[(name, ch)], m.memory(name, ch))
              for name in names for ch in m.ops[name].choices], 0.0, memory)

@@ -311,7 +311,7 @@ def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, c: Constraints, 
     Megatron's own or the constraints leave none. ``notes`` gets how it differs from
     Megatron's."""
     try:
-        part = solve(graph, cluster, tp=tp, world=world, dtype=dtype, rules=c.ops)
+        part = solve(graph, cluster, tp=tp, world=world, dtype=dtype, rules=c.ops, ties=c.ties)
     except TorchweaveError as exc:
         excluded.append(f"split=solved, tp={tp}: " + "; ".join(f"{p.obj}: {p.rule}"
                                                               for p in exc.problems))
