@@ -16,8 +16,9 @@ the batch, by arithmetic:
   1F1B, ``(pp − 1)/virtual`` for interleaved, a third of 1F1B's for ZB-H1;
 - **gradient sum** over ``dp``, in the compute dtype: costed by the simulator's
   collective model; for plain data parallelism in 25 MiB buckets, all but the last
-  hidden behind the backward where it is long enough; after the pipeline flush
-  otherwise; ZeRO-1 one all-reduce (ZeRO-2 one reduce-scatter) and one gather of the
+  hidden behind the backward where it is long enough (not with tensor parallelism:
+  its collectives in backward queue behind the buckets on the one communication
+  stream, and the backward waits for them); after the pipeline flush otherwise; ZeRO-1 one all-reduce (ZeRO-2 one reduce-scatter) and one gather of the
   updated shards (ZeRO-3 and interlaced points are not estimated: :func:`estimable`);
 - **optimizer**: AdamW's memory-bound pass over the rank's (shard of) parameters;
 - **memory**: the rank's model state (:func:`~torchweave.sim.memory.model_state_memory`)
@@ -160,11 +161,11 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
             n = max(1, math.ceil(param_bytes / BUCKET_BYTES))
             last = _seconds(cluster, Collective.ALL_REDUCE, param_bytes / n, group)
             full = n * last
-            if pt.pp == 1:
+            if pt.pp == 1 and pt.tp == 1:
                 backward = work * 2 / 3
                 sync = max(last, full - backward)
-            else:
-                sync = full
+            else:  # after the flush; or, with tp, the backward's tensor-parallel
+                sync = full  # collectives queue behind the buckets on the one comm stream
         else:  # ZeRO-1: one all-reduce after backward (ZeRO-2: a reduce-scatter), one gather
             # of the updated shards after AdamW
             coll = Collective.REDUCE_SCATTER if pt.zero == 2 else Collective.ALL_REDUCE
