@@ -1,7 +1,7 @@
 """Which estimated points the search simulates: the best, and the best of each family.
 
 The estimate (:mod:`torchweave.search.estimate`) is biased per *family* of points,
-the points that share a way of splitting a block and a kind of gradient sum. A bias
+the points that share a way of splitting a block and pipelining or not. A bias
 that pushes one family down the list would hide it from the simulator; these rules
 keep every family that could win in view, and let the simulated points correct
 their family's other estimates.
@@ -22,9 +22,9 @@ ROUNDS = 2
 
 def family(pt: Point) -> tuple:
     """The points whose estimates share a bias: one split of the block (tp, sp, solved or
-    Megatron's), one kind of gradient sum (ZeRO-3's per-unit gathers, or the rest), and
-    pipelined or not."""
-    return (pt.tp, pt.sp, pt.split, pt.zero == 3, pt.pp > 1)
+    Megatron's), pipelined or not. (ZeRO-3 points, whose per-unit gathers the estimate
+    cannot see, are not estimated at all: :func:`~torchweave.search.estimate.estimable`.)"""
+    return (pt.tp, pt.sp, pt.split, pt.pp > 1)
 
 
 def families(order: list[Point], ests: dict[Point, Estimate]) -> list[Point]:
