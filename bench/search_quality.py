@@ -40,6 +40,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "search.md"
 PRESETS = ("megatron", "nnscaler", "free")
 GRID = "megatron grid"
 """The megatron space searched exhaustively (``--grid``)."""
+SAME = "(the megatron row: no repeated blocks, so that search simulated every point)"
 GRID_MAX = 32
 """Clusters up to this many GPUs get the exhaustive grid (32 RTX 3090s took about 20
 minutes on this machine; larger ones take longer)."""
@@ -141,8 +142,7 @@ def main() -> int:
                 continue
             if every and not repeated:  # the search already simulated every point
                 spec_, step, secs = best["megatron"]
-                best[label] = (spec_ + "` (the megatron row: no repeated blocks, every point "
-                               "simulated)`", step, secs)
+                best[label] = (f"{spec_} {SAME}", step, secs)
                 continue
             t0 = time.perf_counter()
             try:
@@ -159,7 +159,9 @@ def main() -> int:
             spec_, step, secs = best[label]
             ratio = (f"{step / free:.3f}" if free < float("inf") and label != "free"
                      and step == step else "")
-            rows.append(f"| {name} | {spec} | {inputs[0].shape[0]} | {label} | `{spec_}` | "
+            shown = (f"`{spec_.removesuffix(' ' + SAME)}` {SAME}" if spec_.endswith(SAME)
+                     else f"`{spec_}`")
+            rows.append(f"| {name} | {spec} | {inputs[0].shape[0]} | {label} | {shown} | "
                         f"{step:.4g} | {secs:.1f} | {ratio} |")
         if args.readme:  # after every model, so that a long run keeps what it has
             write_section("search-quality", "python bench/search_quality.py --readme "
