@@ -102,7 +102,7 @@ def test_where_the_best_splits_only_batches_the_answer_splits_the_model() -> Non
     g = _gpt(layers=2, d=256, heads=4, batch=32, seq=128, vocab=512)
     cluster = parse_cluster("4xA100-80GB-SXM@4")
     batch = _batch_dims(g)
-    first = _solve(g, cluster, 4, 4, None, (), None, 10.0, batch=True)
+    first = _solve(g, cluster, 4, 4, None, (), None, (), 10.0, batch=True)
     assert first.batch_only
     assert all(first.dims[n.name] in batch[n.name] | {None} for n in g.nodes)
     part = solve(g, cluster, tp=4, world=4)
