@@ -161,8 +161,9 @@ def main() -> int:
                      and step == step else "")
             shown = (f"`{spec_.removesuffix(' ' + SAME)}` {SAME}" if spec_.endswith(SAME)
                      else f"`{spec_}`")
+            ran = step == step  # NaN: not run
             rows.append(f"| {name} | {spec} | {inputs[0].shape[0]} | {label} | {shown} | "
-                        f"{step:.4g} | {secs:.1f} | {ratio} |")
+                        f"{f'{step:.4g}' if ran else ''} | {f'{secs:.1f}' if ran else ''} | {ratio} |")
         if args.readme:  # after every model, so that a long run keeps what it has
             write_section("search-quality", "python bench/search_quality.py --readme "
                           "(rows of other models kept from earlier runs with --only)",

@@ -53,6 +53,7 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
     left = {u: len(ps) for u, ps in members.items()}
     kept = foot.gathered[-1] if foot.gathered else None  # forward ends with it gathered
     order = foot.gathered[::-1]  # the order backward is expected to use the units in
+    position = {u: i for i, u in reversed(list(enumerate(order)))}  # first place of each
     done: set[int] = set()  # units gathered (or prefetched) in backward
     seen: set[int] = set()  # units backward has used
     gathered: set[str] = set()
@@ -98,8 +99,8 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
                 # A unit's first use in backward prefetches the next one
                 # (runtime/zero3.py ``_backward_unit``), before this unit's
                 # reduce-scatter takes the communication stream.
-                nxt = next((v for v in order[order.index(u) + 1:] if v not in done),
-                           None) if u in order else None
+                nxt = next((v for v in order[position[u] + 1:] if v not in done),
+                           None) if u in position else None
                 if nxt is not None:
                     gather(nxt, members[nxt][0], stage, block, " (prefetch)")
             if not cost.grad:
