@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torchweave.lower.steps import P2P
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import validate
 from torchweave.policies import PlanLike, resolve
+from torchweave.policies.spec import merged_accum
 from torchweave.search import needs_search
 from torchweave.search import resolve as resolve_auto
 from torchweave.runtime.executor import (
@@ -124,20 +126,27 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     cache of captures shared by several plans of the same models (graphs are
     read, never changed, by planning and lowering).
     """
-    graph = _capture(model, example_inputs, micro_batches, precision, graphs)
+    k = merged_accum(plan, micro_batches)  # the plan's accum, or the step's grad_accum
+    graph = _capture(model, example_inputs, k, precision, graphs)
     if needs_search(plan):  # searched (or solved) once, on the whole batch
         resolved = resolve_auto(plan, graph, world_size)
         plan = resolved.notes["spec"]
     else:
         resolved = resolve(plan, graph, world_size)
+    if resolved.accum != k and resolved.accum > 1:  # a policy function that set accum
+        k = merged_accum(resolved, micro_batches)
+        graph = _capture(model, example_inputs, k, precision, graphs)
+        resolved = resolve(plan, graph, world_size)
+    elif resolved.accum != k:  # what runs is written down: plan.json says accum
+        resolved = dataclasses.replace(resolved, accum=k)
     pipe = resolved.pipeline
-    if pipe is not None and micro_batches > 1:
+    if pipe is not None and k > 1:
         raise TorchweaveError(Problem(
-            obj="StepConfig.grad_accum", value=str(micro_batches),
+            obj="StepConfig.grad_accum", value=str(k),
             rule=f"a pipelined plan ({resolved.name!r}) takes its micro-batches from the plan",
             fix=f"set grad_accum=1 (the plan runs {pipe.micro_batches} micro-batches), or raise "
                 "the plan's micro (e.g. '1f1b:micro=8')"))
-    if pipe is not None and pipe.micro_batches > 1 and micro_batches == 1:
+    if pipe is not None and pipe.micro_batches > 1 and k == 1:
         # a pipeline's forward sees one micro-batch: capture that shape, plan again on it
         graph = _capture(model, example_inputs, pipe.micro_batches, precision, graphs)
         if not isinstance(plan, Plan):  # a solved split keeps the whole batch's answer
@@ -180,6 +189,8 @@ def rank_module(compiled: Compiled, gc: GroupCache, *, optimizer: OptimizerFacto
                 config: StepConfig) -> RankModule:
     rank = gc.rank
     cls = PipelineModule if compiled.plan.pipeline is not None else RankModule
+    if cls is RankModule:  # the plan's accum, merged with the step's by compile_plan
+        config = dataclasses.replace(config, grad_accum=compiled.plan.accum)
     return cls(compiled.programs[rank], compiled.code_paths[rank], compiled.state, gc,
                       optimizer=optimizer, config=config, zero=compiled.plan.zero,
                       zero_group=compiled.zero_group(rank))

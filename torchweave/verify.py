@@ -301,6 +301,8 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
     config = case.config
     if comp.plan.pipeline is not None:  # one device runs the same micro-batches
         config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
+    else:  # the plan's accum (compile_plan merged it with the step's grad_accum)
+        config = dataclasses.replace(config, grad_accum=comp.plan.accum)
 
     def one_device(precision: str) -> dict[str, Any]:
         return _reference(case.model, case.inputs, case.steps, case.optimizer,

@@ -27,9 +27,15 @@ def test_accumulation_and_clipping_match_one_device() -> None:
         Case(model, inputs, "zero3", config=clip, name="zero3/clip"),
         Case(model, inputs, "sp", config=StepConfig(grad_accum=2, clip_grad_norm=0.05),
              name="sp/accum2+clip"),
+        Case(model, inputs, "tp", config=StepConfig(grad_accum=2, clip_grad_norm=0.05),
+             name="tp/accum2+clip"),
+        Case(model, inputs, "tp:tp=2,accum=2", config=clip, name="tp:accum=2/clip"),
     ]
-    for report in verify_many(cases, world_size=2):
+    reports = verify_many(cases, world_size=2)
+    for report in reports:
         assert report.ok, str(report)
+    # the plan string's accum ran two micro-batches, as grad_accum does ("tp/clip": one)
+    assert reports[-1].comm == reports[-2].comm and reports[-1].comm != reports[2].comm
 
 
 @pytest.mark.dist

@@ -9,6 +9,7 @@ from tests.conftest import built, captured, saved_bytes, state_of
 from torchweave.codegen.render import write
 from torchweave.errors import TorchweaveError
 from torchweave.lower.lower import lower
+from torchweave.plan.validate import validate
 from torchweave.policies import resolve
 from torchweave.policies.recompute import with_recompute
 from torchweave.policies.spec import OPTIONS, PlanSpec
@@ -61,6 +62,45 @@ def test_options_that_do_not_fit_the_world_name_both_sizes() -> None:
         resolve("1f1b:recompute=everything", graph, 2)
     for w in ("none, full, selective", "no module 'everything'", "attn", "mlp"):
         assert w in str(info.value), str(info.value)
+
+
+def test_split_sequence_is_sequence_parallelism_with_or_without_a_pipeline() -> None:
+    graph = captured("gpt-tiny")
+    plain, seq = resolve("tp:tp=2", graph, 4), resolve("tp:tp=2,split=sequence", graph, 4)
+    assert seq.trans == resolve("sp:tp=2", graph, 4).trans and seq.trans != plain.trans
+    piped = resolve("1f1b:tp=2,pp=2,split=sequence", graph, 4)
+    assert "sequence" in piped.notes["policy"]
+    # inside each stage group of 2, the ops split as sp splits them (the norms on the sequence)
+    group, group_plain = resolve("sp:tp=2", graph, 2), resolve("tp:tp=2", graph, 2)
+    norms = [n.name for n in graph.nodes if "layer_norm" in n.target]
+    assert norms and all(piped.trans[n] == group.trans[n] for n in norms)
+    assert all(piped.trans.get(n) != group_plain.trans.get(n) for n in norms)
+    with pytest.raises(TorchweaveError, match="split is one of rule, solved, sequence"):
+        PlanSpec.parse("1f1b:split=seq")
+
+
+def test_accum_is_a_plan_option_kept_in_plan_json_and_checked_as_data(tmp_path) -> None:
+    from torchweave.plan.plan import Plan
+    from torchweave.policies.spec import accum_of, merged_accum
+
+    graph = captured("gpt-tiny")
+    plan = resolve("zero2:accum=2", graph, 2)
+    assert plan.accum == 2 and Plan.from_json(plan.to_json()).accum == 2
+    assert '"accum"' not in resolve("zero2", graph, 2).to_json()  # 1: not written
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    assert accum_of(str(path)) == 2 and accum_of("tp:accum=4") == 4 and accum_of("auto") == 1
+    assert merged_accum("dp:accum=2", 1) == 2 == merged_accum("dp", 2) == merged_accum("dp:accum=2", 2)
+    with pytest.raises(TorchweaveError, match="the plan says accum=2"):
+        merged_accum("dp:accum=2", 4)
+    for bad in ('"4"', "0", "true", "2.5", '"__import__(\'os\')"'):  # data, never code
+        text = plan.to_json().replace('"accum": 2', f'"accum": {bad}')
+        with pytest.raises(TorchweaveError, match="a whole number of at least 1"):
+            Plan.from_json(text)
+    piped = resolve("1f1b:micro=2", graph, 2)
+    piped.accum = 2
+    with pytest.raises(TorchweaveError, match="takes its micro-batches from its pipeline"):
+        validate(piped, graph)
 
 
 def test_a_pipeline_given_pp_and_tp_takes_the_rest_as_data_parallel() -> None:

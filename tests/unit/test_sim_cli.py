@@ -240,6 +240,31 @@ def test_simulate_accumulates_the_example_batch_in_micro_batches(capsys) -> None
     assert "--grad-accum" in err.out + err.err and "4 % 3 != 0" in err.out + err.err
 
 
+def test_a_plan_strings_accum_is_the_same_as_grad_accum(capsys) -> None:
+    """``dp:accum=2`` simulates what ``--grad-accum 2`` does; both at once must agree; a
+    pipeline refuses accum and points at its micro option."""
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp",
+                 "--grad-accum", "2"]) == 0
+    flag = capsys.readouterr().out
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan",
+                 "dp:accum=2"]) == 0
+    option = capsys.readouterr().out
+    assert "2 micro-batches accumulated per step" in option
+
+    def step(out: str) -> str:
+        return next(x for x in out.splitlines() if "step time" in x)
+
+    assert step(option) == step(flag)
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan",
+                 "dp:accum=2", "--grad-accum", "4"]) == 2
+    err = capsys.readouterr()
+    assert "the plan says accum=2" in err.out + err.err
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan",
+                 "1f1b:accum=2"]) == 2
+    err = capsys.readouterr()
+    assert "a pipeline's micro-batches are its micro option" in err.out + err.err
+
+
 def test_simulate_ranks_several_plans_on_one_capture(capsys, monkeypatch) -> None:
     import re
 

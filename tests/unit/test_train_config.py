@@ -61,6 +61,17 @@ def test_batch_arithmetic_is_shown(tmp_path: Path) -> None:
                           global_batch=4).dp == 1
 
 
+def test_a_plan_strings_accum_sets_grad_accum() -> None:
+    cfg = ParallelConfig(plan="dp:accum=2", world_size=2, micro_batch=2, global_batch=8)
+    assert cfg.grad_accum == 2 and cfg.dp == 2
+    assert ParallelConfig(plan="dp:accum=2", world_size=2, micro_batch=2, grad_accum=2,
+                          global_batch=8).grad_accum == 2
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(plan="dp:accum=2", world_size=2, micro_batch=2, grad_accum=4,
+                       global_batch=16)
+    assert "parallel.grad_accum" in str(info.value) and "says accum=2" in str(info.value)
+
+
 def test_bad_yaml_and_bad_override_syntax(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="valid YAML"):
         load_config(_write(tmp_path, "steps: [1,"), [])

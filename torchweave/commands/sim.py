@@ -60,7 +60,7 @@ def _capture(model: str, meta: bool, micro_batches: int = 1):
         batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), 0)
         if micro_batches < 1 or batch % micro_batches:
             raise TorchweaveError(Problem(
-                obj="--grad-accum", value=str(micro_batches),
+                obj="--grad-accum (or the plan's accum)", value=str(micro_batches),
                 rule=f"the micro-batches divide the example batch (the global batch): "
                      f"{batch} % {micro_batches} != 0" if micro_batches >= 1 else "at least 1",
                 fix="a K that divides the model's example batch, or an example batch that K divides"))
@@ -136,19 +136,24 @@ def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
         raise TorchweaveError(Problem(
             obj="--trace/--gantt", value=f"{len(specs)} plans",
             rule="a timeline is written for one plan", fix="give one --plan with --trace or --gantt"))
+    from torchweave.policies.spec import merged_accum
+
     cluster = load_cluster(args.cluster)
-    accum = getattr(args, "grad_accum", 1)
+    # micro-batches per step: --grad-accum or each plan's accum; one capture per count
+    accums = [merged_accum(spec, getattr(args, "grad_accum", 1), "--grad-accum") for spec in specs]
     start = time.perf_counter()
-    graph = _capture(args.model, args.meta, accum)
+    graphs = {k: _capture(args.model, args.meta, k) for k in sorted(set(accums))}
     took = time.perf_counter() - start
-    plans = [_plan_for(spec, graph, cluster, args.world_size) for spec in specs]  # all checked first
+    plans = [_plan_for(spec, graphs[k], cluster, args.world_size)  # all checked first
+             for spec, k in zip(specs, accums)]
     if len(plans) > 1:
-        console.print(f"captured {args.model} once in {took:.2f} s; {len(plans)} plans on it",
+        times = "once" if len(graphs) == 1 else f"{len(graphs)} times (one per micro-batch size)"
+        console.print(f"captured {args.model} {times} in {took:.2f} s; {len(plans)} plans on it",
                       highlight=False, markup=False)
     rows, code = [], 0
-    for spec, plan in zip(specs, plans):
+    for spec, plan, k in zip(specs, plans, accums):
         start = time.perf_counter()
-        result = _simulate_one(args, console, Setup(graph, plan, cluster, _dtype(args.dtype), accum))
+        result = _simulate_one(args, console, Setup(graphs[k], plan, cluster, _dtype(args.dtype), k))
         code |= 1 if result.oom else 0
         rows.append((spec, result, time.perf_counter() - start))
     if len(rows) > 1:

@@ -81,6 +81,10 @@ class Plan:
     """Stages on device groups, micro-batches and the schedule (see :mod:`torchweave.plan.pipeline`)."""
     recompute: list[tuple[str, ...]] = field(default_factory=list)
     """Groups of nodes whose activations are recomputed in backward instead of kept."""
+    accum: int = 1
+    """Gradient accumulation, for a plan without a pipeline: forward and backward run on
+    each of ``accum`` equal slices of the batch, the gradients summed, then one optimizer
+    step (a pipeline's micro-batches are its ``pipeline.micro_batches``)."""
 
     # ------------------------------------------------------------ primitives
     def split(self, node: str, dim: str, parts: int) -> "Plan":
@@ -155,6 +159,8 @@ class Plan:
             data["pipeline"] = self.pipeline.to_data()
         if self.recompute:
             data["recompute"] = [list(g) for g in self.recompute]
+        if self.accum != 1:
+            data["accum"] = self.accum
         return json.dumps(data, indent=1)
 
     @staticmethod
@@ -175,6 +181,7 @@ class Plan:
             notes=dict(data.get("notes", {})),
             pipeline=Pipeline.from_data(data["pipeline"]) if data.get("pipeline") else None,
             recompute=[tuple(g) for g in data.get("recompute", [])],
+            accum=_whole(data.get("accum", 1), "accum"),
         )
         for node, ts in data["trans"].items():
             plan.trans[node] = [Trans(node, d, int(p)) for d, p in ts]
@@ -204,10 +211,21 @@ class Plan:
             out.append(f"pipeline: {_pipe(self.pipeline)}  →  {_pipe(other.pipeline)}")
         if self.recompute != other.recompute:
             out.append(f"recompute: {self.recompute}  →  {other.recompute}")
-        for attr in ("world_size", "zero", "zero_axis"):
+        for attr in ("world_size", "zero", "zero_axis", "accum"):
             if getattr(self, attr) != getattr(other, attr):
                 out.append(f"{attr}: {getattr(self, attr)}  →  {getattr(other, attr)}")
         return out
+
+
+def _whole(value: Any, key: str) -> int:
+    """A plan JSON field that is a whole number of at least 1 (data, never code)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        from torchweave.errors import Problem, TorchweaveError
+
+        raise TorchweaveError(Problem(obj=f"plan JSON {key!r}", value=repr(value)[:40],
+                                      rule="a whole number of at least 1",
+                                      fix=f"write {key} as a number such as 4, or drop it"))
+    return value
 
 
 def _fmt(trans: list[Trans], devices: list[int] | None) -> str:

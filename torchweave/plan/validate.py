@@ -36,6 +36,15 @@ def validate(plan: Plan, graph: Graph, *, world_size: int | None = None) -> None
             obj=f"plan {plan.name!r} mesh", value=str(plan.mesh),
             rule=f"the mesh covers the world: {dims} = {plan.mesh.size} != world_size({plan.world_size})",
         ))
+    if not isinstance(plan.accum, int) or plan.accum < 1:
+        problems.append(Problem(obj=f"plan {plan.name!r}", value=f"accum={plan.accum!r}",
+                                rule="gradient accumulation runs a whole number >= 1 of "
+                                     "micro-batches"))
+    elif plan.accum > 1 and plan.pipeline is not None:
+        problems.append(Problem(
+            obj=f"plan {plan.name!r}", value=f"accum={plan.accum}",
+            rule="a pipelined plan takes its micro-batches from its pipeline",
+            fix=f"drop accum, or set the pipeline's micro-batches (micro={plan.accum})"))
     if not 0 <= plan.zero <= 3:
         problems.append(Problem(obj=f"plan {plan.name!r}", value=f"zero={plan.zero}",
                                 rule="ZeRO stage is 0, 1, 2 or 3"))

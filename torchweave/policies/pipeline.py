@@ -36,6 +36,7 @@ from torchweave.plan.schedules import (
 )
 from torchweave.policies.data import dp as dp_policy
 from torchweave.policies.recompute import block_of as _block
+from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb"]
@@ -46,7 +47,7 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              pp: int | None = None, tp: int = 1, dp: int | None = None, micro: int | None = None,
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
              cuts: list[int] | None = None, recycle: int = 1,
-             dims: dict[str, str | None] | None = None) -> Plan:
+             dims: dict[str, str | None] | None = None, sequence: bool = False) -> Plan:
     """A pipelined plan: ``pp`` groups of ``dp * tp`` devices, ``micro`` micro-batches.
 
     Defaults: ``dp = world_size / (pp * tp)`` when ``pp`` is given, else 1;
@@ -55,7 +56,9 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     the graph positions where stages 1, 2, … start (instead of the FLOP-balanced cut).
     ``recycle`` > 1: that many forward passes per micro-batch, linked as the
     model's ``recycle`` attribute says (see :func:`with_recycle`). ``dims``: each
-    node's split on ``tp`` inside a stage (see :func:`~torchweave.policies.tensor.tp`).
+    node's split on ``tp`` inside a stage (see :func:`~torchweave.policies.tensor.tp`);
+    ``sequence``: Megatron's split with sequence parallelism inside each stage
+    (:func:`~torchweave.policies.tensor.sp`).
     """
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
@@ -83,7 +86,11 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
         check_stage_count(stages, pp, virtual)
     micro = micro or 2 * pp
     order = builtin(schedule, pp, virtual, micro)
-    plan = _group_plan(graph, inner, tp, dp, zero, dims)
+    if sequence and dims is not None:
+        raise TorchweaveError(Problem(obj=f"{schedule} plan", value="sequence and dims",
+                                      rule="a stage splits by one rule: sequence parallelism "
+                                           "or given dims", fix="pass one of them"))
+    plan = _group_plan(graph, inner, tp, dp, zero, dims, sequence)
     stage_of = cut(graph, n_stages) if cuts is None else cut_at(graph, cuts, n_stages)
     mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
     groups = [tuple(range(k * inner, (k + 1) * inner)) for k in range(pp)]
@@ -96,7 +103,8 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     plan.pipeline = Pipeline(groups=groups, stage_of=stage_of, stage_rank=stage_rank,
                              micro_batches=micro, schedule=order, kind=schedule)
     plan.notes["policy"] = (f"pipeline(schedule={schedule!r}, pp={pp}, dp={dp}, tp={tp}, "
-                            f"micro={micro}, virtual={virtual}, zero={zero})")
+                            f"micro={micro}, virtual={virtual}, zero={zero}"
+                            f"{', sequence' if sequence else ''})")
     if recycle != 1:
         with_recycle(plan, graph, recycle)
     return plan
@@ -168,10 +176,11 @@ def interlaced(graph: Graph, world_size: int, *, micro: int | None = None) -> Pl
 
 
 def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int,
-                dims: dict[str, str | None] | None = None) -> Plan:
+                dims: dict[str, str | None] | None = None, sequence: bool = False) -> Plan:
     """The plan of one stage group, on devices ``0 … size-1``."""
     if tp > 1:
-        plan = tp_policy(graph, size, tp_size=tp, dims=dims)
+        plan = (sp_policy(graph, size, tp_size=tp) if sequence
+                else tp_policy(graph, size, tp_size=tp, dims=dims))
         plan.zero, plan.zero_axis = zero, ("dp" if zero else None)
         return plan
     return dp_policy(graph, size, zero=zero)

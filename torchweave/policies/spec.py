@@ -16,6 +16,10 @@ Options (each policy takes those listed in :data:`OPTIONS`):
 ``tp``        tensor-parallel degree (``tp``, ``sp``, pipelines)
 ``pp``        pipeline ranks (pipelines; default: world / (dp × tp))
 ``micro``     micro-batches per step (pipelines; default 2 × pp)
+``accum``     micro-batches per step without a pipeline (gradient accumulation: the
+              batch in ``accum`` equal slices, one optimizer step; default 1). The
+              same as ``StepConfig.grad_accum``, ``--grad-accum`` and the train
+              config's ``grad_accum``: give either, or both equal
 ``virtual``   stages per pipeline rank (``interleaved`` only)
 ``stages``    total stages, a check: pp × virtual (pipelines)
 ``zero``      ZeRO stage 0–3 over the data-parallel axis
@@ -23,8 +27,11 @@ Options (each policy takes those listed in :data:`OPTIONS`):
 ``recompute`` ``none``, ``full``, ``selective``, or module names ``mlp+attn``
               (:mod:`torchweave.policies.recompute`)
 ``split``     how ops split on ``tp`` (``tp`` and pipelines): ``rule`` (Megatron's
-              rules, the default) or ``solved`` (each op's split chosen by the
-              search's solver for the cluster, :mod:`torchweave.search.intra`)
+              rules, the default), ``sequence`` (Megatron's rules plus sequence
+              parallelism in norms, dropout and residuals: ``tp:split=sequence`` is
+              ``sp``, and ``1f1b:tp=8,pp=4,split=sequence`` pipelines it) or
+              ``solved`` (each op's split chosen by the search's solver for the
+              cluster, :mod:`torchweave.search.intra`)
 ``preset``    ``auto`` only: the constraint set the search starts from
               (:mod:`torchweave.search`)
 ============  =================================================================
@@ -48,10 +55,13 @@ from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
 _PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split")
+_PIPELINES = (*SCHEDULES, "interlaced")
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "dp": ("dp", "zero", "recompute"),
-    "zero1": ("dp", "recompute"), "zero2": ("dp", "recompute"), "zero3": ("dp", "recompute"),
-    "tp": ("tp", "dp", "zero", "recompute", "split"), "sp": ("tp", "dp", "zero", "recompute"),
+    "dp": ("dp", "zero", "recompute", "accum"),
+    "zero1": ("dp", "recompute", "accum"), "zero2": ("dp", "recompute", "accum"),
+    "zero3": ("dp", "recompute", "accum"),
+    "tp": ("tp", "dp", "zero", "recompute", "split", "accum"),
+    "sp": ("tp", "dp", "zero", "recompute", "accum"),
     "random": ("recompute",),
     **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
     "interleaved": (*_PIPE, "virtual"),
@@ -61,7 +71,10 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 """The options each built-in policy takes."""
 
 SPLITS = ("rule", "solved")
-"""How ops split on the tensor-parallel axis: Megatron's rules, or the search's solver."""
+"""How ops split on the tensor-parallel axis: Megatron's rules, or the search's solver
+(the constraints' ``split``; sequence parallelism is their ``sp``)."""
+SPLIT_OPTIONS = (*SPLITS, "sequence")
+"""The plan strings' ``split``: also ``sequence``, Megatron's rules with sequence parallelism."""
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -71,8 +84,8 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
         return (value, None) if _MODULE.fullmatch(value) else (
             None, "preset is a preset's name (megatron, zero3, dp, nnscaler, alpa, free)")
     if key == "split":
-        return (value, None) if value in SPLITS else (
-            None, f"split is one of {', '.join(SPLITS)}")
+        return (value, None) if value in SPLIT_OPTIONS else (
+            None, f"split is one of {', '.join(SPLIT_OPTIONS)}")
     if key == "recompute":
         names = value.split("+")
         if value in MODES or all(_MODULE.fullmatch(n) for n in names):
@@ -113,7 +126,9 @@ class PlanSpec:
                                         fix=f"e.g. '{name}:{allowed[0]}=2'"))
             elif key not in allowed:
                 why = (" (only the interleaved schedule runs several stages per rank)"
-                       if key == "virtual" and name in SCHEDULES else "")
+                       if key == "virtual" and name in SCHEDULES else
+                       " (a pipeline's micro-batches are its micro option)"
+                       if key == "accum" and name in _PIPELINES else "")
                 problems.append(Problem(obj=f"plan {text!r}", value=f"option {key!r}",
                                         rule=f"{name} takes {', '.join(allowed)}{why}",
                                         fix=f"drop {key}, or use a policy that takes it"))
@@ -157,8 +172,9 @@ class PlanSpec:
         ``tp``, what ``split=solved`` needs: :func:`torchweave.search.resolve` gives it)."""
         o = dict(self.options)
         recompute = o.pop("recompute", None)
+        accum = o.pop("accum", 1)
         split = o.pop("split", "rule")
-        if split == "rule":
+        if split in ("rule", "sequence"):
             dims = None
         elif dims is None:
             raise TorchweaveError(Problem(
@@ -188,8 +204,8 @@ class PlanSpec:
                     fix=f"choose tp and dp whose product is {world_size}"
                         + (f", or run on {tp * dp} ranks (a cluster of {tp * dp} devices)"
                            if tp and dp and tp * dp > world_size else "")))
-            plan = (tp_policy(graph, world_size, tp_size=tp, dims=dims) if name == "tp"
-                    else sp_policy(graph, world_size, tp_size=tp))
+            plan = (sp_policy(graph, world_size, tp_size=tp) if name == "sp" or split == "sequence"
+                    else tp_policy(graph, world_size, tp_size=tp, dims=dims))
             if o.get("zero"):
                 plan.zero, plan.zero_axis = o["zero"], "dp"
                 plan.name = f"{plan.name}+zero{o['zero']}"
@@ -204,7 +220,9 @@ class PlanSpec:
         elif name == "interlaced":
             plan = interlaced(graph, world_size, micro=o.get("micro"))
         else:
-            plan = pipeline_policy(graph, world_size, schedule=name, dims=dims, **o)
+            plan = pipeline_policy(graph, world_size, schedule=name, dims=dims,
+                                   sequence=split == "sequence", **o)
+        plan.accum = accum
         if recompute is not None:
             with_recompute(plan, graph, recompute)
             if recompute != "none":
@@ -214,4 +232,29 @@ class PlanSpec:
         return plan
 
 
-__all__ = ["OPTIONS", "PlanSpec"]
+def accum_of(plan: Any) -> int:
+    """The micro-batches per step a plan asks for before it is built: its ``accum``
+    (a Plan, a plan string, a plan.json path); 1 for a policy function or ``auto``."""
+    if isinstance(plan, Plan):
+        return plan.accum
+    if isinstance(plan, str) and plan.endswith(".json"):
+        with open(plan) as f:
+            return Plan.from_json(f.read()).accum
+    if isinstance(plan, str):
+        return PlanSpec.parse(plan).options.get("accum", 1)
+    return 1
+
+
+def merged_accum(plan: Any, grad_accum: int, obj: str = "StepConfig.grad_accum") -> int:
+    """Micro-batches per step: the plan's ``accum`` and ``grad_accum`` (``obj`` names
+    where it came from) are one setting; either may be given, both only if equal."""
+    k = accum_of(plan)
+    if k != 1 and grad_accum != 1 and k != grad_accum:
+        raise TorchweaveError(Problem(
+            obj=obj, value=str(grad_accum),
+            rule=f"one number of micro-batches per step: the plan says accum={k}",
+            fix=f"give it once (the plan's accum or {obj}), or make them equal"))
+    return k if k != 1 else grad_accum
+
+
+__all__ = ["OPTIONS", "PlanSpec", "SPLITS", "SPLIT_OPTIONS", "accum_of", "merged_accum"]

@@ -37,8 +37,9 @@ class Point:
         if self.schedule == "interlaced":
             return f"interlaced:micro={self.micro}"
         rec = f"recompute={self.recompute}" if self.recompute != "none" else ""
-        if self.split != "rule":
-            rec = ",".join(x for x in (rec, f"split={self.split}") if x)
+        split = "sequence" if self.sp and self.schedule != "none" else self.split
+        if split != "rule":
+            rec = ",".join(x for x in (rec, f"split={split}") if x)
         if self.schedule == "none":
             if self.tp == 1:
                 base = "dp" if self.zero == 0 else f"zero{self.zero}"
@@ -78,13 +79,11 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
             if pp == 1:
                 if "none" not in c.schedules:
                     continue
-                kinds = ([(False, s) for s in c.split] + ([(True, "rule")] if c.sp else [])
-                         if tp > 1 else [(False, "rule")])
                 for zero in _zeros(c.zero, dp):
                     if zero == 3 and tp > 1:
                         continue  # ZeRO-3 is the data-parallel policy's (zero3)
                     for rec in c.recompute:
-                        for sp, split in kinds:
+                        for sp, split in _kinds(tp, c):
                             out.append(Point(tp, 1, dp, 1, "none", 1, rec, zero, sp, split))
                 continue
             if not blocks:
@@ -100,8 +99,8 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                             continue
                         for zero in _zeros([z for z in c.zero if z <= 1], dp):
                             for rec in c.recompute:
-                                for split in (c.split if tp > 1 else ("rule",)):
-                                    out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False,
+                                for sp, split in _kinds(tp, c):
+                                    out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp,
                                                      split))
     out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
     if tps and not out:
@@ -109,6 +108,13 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                    f"{batch} and {blocks} blocks: tp {c.tp}, pp {c.pp}, dp {c.dp}, "
                    f"micro {c.micro}, schedules {', '.join(c.schedules)}")
     return sorted(set(out)), why
+
+
+def _kinds(tp: int, c: Constraints) -> list[tuple[bool, str]]:
+    """The ways to split a block on ``tp``: (sequence parallel, split) pairs."""
+    if tp == 1:
+        return [(False, "rule")]
+    return [(False, s) for s in c.split] + ([(True, "rule")] if c.sp else [])
 
 
 def _zeros(allowed, dp: int) -> list[int]:

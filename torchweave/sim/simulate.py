@@ -173,8 +173,15 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
     (:mod:`torchweave.sim.profile`) used in place of the roofline where present.
     ``grad_accum``: micro-batches per optimizer step, ``graph`` being one
     micro-batch's (:mod:`torchweave.sim.accum`); tokens and FLOPs are the step's.
-    A pipelined plan takes its micro-batches from the plan instead.
+    Default: the plan's ``accum``. A pipelined plan takes its micro-batches from its
+    pipeline instead.
     """
+    if grad_accum == 1:
+        grad_accum = plan.accum
+    elif plan.accum not in (1, grad_accum):
+        raise SimError(Problem(obj="grad_accum", value=str(grad_accum),
+                               rule=f"one number of micro-batches per step: the plan says "
+                                    f"accum={plan.accum}", fix="give it once, or make them equal"))
     if plan.world_size > cluster.size:
         raise SimError(Problem(obj=f"plan {plan.name!r} world_size", value=str(plan.world_size),
                                rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",

@@ -175,7 +175,8 @@ class ParallelConfig:
     world_size: int = 2
     """Number of ranks."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step on each data-parallel rank."""
+    """Micro-batches per optimizer step on each data-parallel rank; a plan string's
+    ``accum`` (``dp:accum=4``) sets it too."""
     micro_batch: int = 2
     """Samples per micro-batch on each data-parallel rank."""
     global_batch: int = 4
@@ -196,6 +197,18 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        accum = 1
+        if not self.plan.endswith(".json") and not is_auto(self.plan):
+            _plan_dp(self.plan, self.world_size)  # a bad plan string is a ConfigError
+            accum = PlanSpec.parse(self.plan).options.get("accum", 1)
+        if accum != 1 and self.grad_accum == 1:  # "dp:accum=4" is grad_accum: 4
+            object.__setattr__(self, "grad_accum", accum)
+        elif accum != 1 and self.grad_accum != accum:
+            problems.append(Problem(obj="parallel.grad_accum", value=str(self.grad_accum),
+                                    rule=f"one number of micro-batches per step: the plan "
+                                         f"{self.plan!r} says accum={accum}",
+                                    fix="give it once (grad_accum or the plan's accum), or "
+                                        "make them equal"))
         for name in ("world_size", "grad_accum", "micro_batch", "global_batch"):
             if getattr(self, name) < 1:
                 problems.append(Problem(obj=f"parallel.{name}", value=str(getattr(self, name)),
