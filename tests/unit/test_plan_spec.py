@@ -192,6 +192,39 @@ def test_the_simulator_sees_what_each_recompute_keeps() -> None:
     assert steps["none"] < steps["selective"] < steps["full"], steps  # each pays its forward again
 
 
+def test_full_recompute_keeps_each_blocks_input_with_or_without_tensor_parallelism() -> None:
+    """As codegen's checkpointed runs keep them: every block's input (the one before made
+    in another group), and nothing a collective makes inside a block's run. The simulator
+    once dropped the inputs of blocks after the first and kept the tensor-parallel
+    all-reduces' outputs (2.5x the activations of the same plan without tp)."""
+    from torchweave.sim import simulate
+    from torchweave.sim.cluster import parse_cluster
+
+    graph = _gpt_meta_graph()
+    cluster = parse_cluster("8xA100-80GB-SXM")
+    one_input = 2 * 256 * 1024 * 2  # one micro-batch's block input, bf16: 1 MiB
+    acts = {}
+    for spec in ("1f1b:pp=4,micro=2,recompute=full", "1f1b:pp=4,tp=2,micro=2,recompute=full"):
+        plan = resolve(spec, graph, 8 if "tp=2" in spec else 4)
+        res = simulate(graph, plan, cluster, dtype=torch.bfloat16, timeline=False, fold=False)
+        acts[spec] = [m.activations for m in res.memory]
+    plain, tp = acts.values()
+    # a middle stage: 2 blocks, 2 micro-batches in flight on its first rank
+    assert plain[1] == pytest.approx(2 * 2 * one_input, rel=0.02)
+    assert tp[2] == tp[3] == pytest.approx(plain[1], rel=0.02)
+
+
+def _gpt_meta_graph():
+    import torchweave
+    from torchweave.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=8, n_head=8, d_model=1024)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.zeros(4, 256, dtype=torch.long)
+    return torchweave.capture(model, (idx, idx))
+
+
 def test_a_plan_that_replicates_much_of_its_work_says_so(capsys) -> None:
     """moe-tiny's expert einsum has no split under dp: every rank runs all of it."""
     from torchweave.cli import main

@@ -107,6 +107,22 @@ def test_pipelined_plans_report_bubble_in_flight_and_memory() -> None:
     assert more.bubble < fb.bubble
 
 
+def test_a_pipelines_temporary_buffers_are_one_micro_batchs() -> None:
+    """Forward's temporaries (twice the largest op output) are one micro-batch's in a
+    pipeline: the 1T GPT of bench/sim_published.py was given 100 GiB of them, twice the
+    whole batch's largest op output."""
+    from torchweave.policies.pipeline import pipeline
+    from torchweave.sim import parse_cluster, simulate
+
+    g = _gpt_meta(batch=32)
+    cluster = parse_cluster("4xA100-80GB-SXM")
+    temps = {m: max(x.temporaries for x in simulate(g, pipeline(g, 4, schedule="1f1b", micro=m),
+                                                     cluster, timeline=False).memory)
+             for m in (4, 16)}
+    logits = 32 * 256 * 4096 * 4  # the whole batch's largest output, fp32 (one rank: the head)
+    assert temps[4] == 2 * logits // 4 and temps[16] == 2 * logits // 16
+
+
 def test_recompute_groups_trade_time_for_activation_memory() -> None:
     from torchweave.policies import resolve
     from torchweave.sim import parse_cluster, simulate

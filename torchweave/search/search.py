@@ -327,6 +327,10 @@ def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, c: Constraints, 
     if rule == part.dims:
         excluded.append(f"split=solved, tp={tp}: the solver's partition is Megatron's")
         return None
+    if c.sp and tp_dims(PlanSpec.parse(f"sp:tp={tp},dp=1").build(graph, tp), graph) == part.dims:
+        excluded.append(f"split=solved, tp={tp}: the solver's partition is Megatron's with "
+                        f"sequence parallelism (split=sequence, a point of its own)")
+        return None
     diff = describe(graph, part.dims, rule)
     notes.append(f"split=solved, tp={tp} ({part.status}, {part.variables} variables, "
                  f"{part.seconds:.2f} s) splits, unlike Megatron's rules: " + "; ".join(diff[:8])

@@ -76,7 +76,8 @@ class Footprint:
     temporaries: int = 0
     """The largest of what ``held`` counts and the gradient buckets."""
     held: int = 0
-    """Forward's temporaries: twice the largest activation, two ZeRO-3 units."""
+    """Forward's temporaries: twice the largest activation (one micro-batch's, in a
+    pipeline), two ZeRO-3 units."""
     bucket: int = 0
     """The largest gradient bucket."""
     grad_order: list[tuple[str, tuple[int, ...], float]] = field(default_factory=list)
@@ -118,6 +119,7 @@ class Builder:
             self.costs[node.name] = self._node_cost(node)
             self.saves[node.name] = saves(self.graph, node)
         self._made_in = {o: n.name for n in self.graph.nodes for o in n.outputs}
+        self._group_of = {n: k for k, grp in enumerate(self.plan.recompute) for n in grp}
 
     # ---------------------------------------------------------------- sizes
     def itemsize(self, value: str) -> int:
@@ -192,6 +194,7 @@ class Builder:
         for s in prog.inputs:
             nbytes[s.local] = g.values[s.local].meta.nbytes if s.local in g.values else 0
         zero = self.plan.zero
+        micro = self.plan.pipeline.micro_batches if self.plan.pipeline is not None else 1
         # Activations: distinct storages that some op saves for backward (saved.py).
         # ``root`` maps a value to the value owning its storage; ``strided`` holds
         # non-contiguous views (a reshape of one copies).
@@ -199,6 +202,7 @@ class Builder:
         root: dict[str, str] = {}
         strided: set[str] = set()
         kept: dict[str, float] = {}
+        inner: dict[str, int] = {}  # value made here inside recompute group k → k
         fwd: list[Task] = []
         first_reader: dict[str, int] = {}
         refs_of: dict[int, list[str]] = {}
@@ -229,13 +233,17 @@ class Builder:
                                             ("zf", u, grp), self._meet(grp)))
                 for o, b in zip(ins.outputs, cost.out_bytes):
                     nbytes[o] = b
+
                 self._storages(ins, refs, root, strided)
                 sv, node = self.saves[ins.node], self._nodes[ins.node]
+                group = self._group_of.get(ins.node)
+                if group is not None:  # made here inside the group: recomputed, not kept
+                    inner.update((o, group) for o in ins.outputs)
                 pos = refs if len(refs) == len(node.input_refs()) else []
                 for v in [pos[i] for i in sv.inputs if i < len(pos)] + [
                         ins.outputs[i] for i in sv.outputs if i < len(ins.outputs)]:
                     base = root.get(v, v)
-                    if ins.node in self.recompute and self._made_in.get(v) in self.recompute:
+                    if group is not None and inner.get(v) == group:
                         continue  # recomputed in backward: only the group's inputs are kept
                     if v not in not_act and base not in not_act:
                         kept[base] = nbytes.get(base, 0.0)
@@ -243,12 +251,18 @@ class Builder:
                 if sv.extra and cost.out_bytes and ins.node not in self.recompute:
                     foot.activations += int(sv.extra * cost.out_bytes[0])
                 free = cost.fwd == 0.0
-                if not free and cost.grad:
-                    foot.temporaries = max(foot.temporaries, 2 * max(cost.out_bytes, default=0))
+                if not free and cost.grad:  # one micro-batch's output at a time in a pipeline
+                    foot.temporaries = max(foot.temporaries,
+                                           2 * max(cost.out_bytes, default=0) // micro)
                 fwd.append(Task(LOCAL if free else COMPUTE, ins.node, tuple(refs), ins.outputs, cost.fwd))
             elif isinstance(ins, Comm):
                 if ins.src in params:
                     first_reader.setdefault(ins.src, idx)
+                k = self._group_of.get(ins.consumer)
+                if k is not None and inner.get(ins.src) == k:
+                    # made here inside the group's recompute run (codegen/recompute.py) from
+                    # a value of the run: run again in backward, not kept
+                    inner[ins.dst] = k
                 fwd.append(self._comm_fwd(ins, r, nbytes))
                 if fwd[-1].kind == LOCAL:  # a local slice or an identity: same storage
                     root[ins.dst] = root.get(ins.src, ins.src)
