@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests.conftest import captured
 from torchweave.errors import TorchweaveError
 from torchweave.search import Constraints, Degrees, OpRule, load_constraints, preset, preset_names, search
 from torchweave.search.estimate import estimable
@@ -220,6 +221,23 @@ def test_an_exhaustive_search_simulates_every_point_and_the_search_matches_it(ca
     assert main(["plan", "gpt-tiny", "--plan", "auto", "--preset", "dp", "--world-size", "2",
                  "--exhaustive"]) == 0
     assert "the best plans on 2xCPU" in capsys.readouterr().out
+    # the same from a plan string, wherever a plan is taken
+    import torchweave.search as ts
+
+    asked, real = [], ts.search
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(ts, "search", lambda *a, **k: asked.append(k["exhaustive"]) or real(*a, **k))
+    try:
+        assert main(["plan", "gpt-tiny", "--plan", "auto:preset=dp,exhaustive=1",
+                     "--world-size", "2"]) == 0
+    finally:
+        monkey.undo()
+    assert asked == [True]
+    tiny = captured("gpt-tiny")
+    plan = ts.resolve("auto:preset=dp,exhaustive=1", tiny, 2)
+    assert "auto (dp, exhaustive)" in plan.notes["search"]
+    with pytest.raises(TorchweaveError, match="exhaustive is 1"):
+        ts.resolve("auto:exhaustive=yes", tiny, 2)
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,14 @@ def _constraints(args: argparse.Namespace):
             else preset(args.preset or spec.options.get("preset", "free")))
 
 
+def _exhaustive(args: argparse.Namespace) -> bool:
+    """``--plan auto:exhaustive=1`` (the same as ``--exhaustive``)."""
+    from torchweave.policies.spec import PlanSpec
+
+    return bool(args.plan.startswith("auto")
+                and PlanSpec.parse(args.plan).options.get("exhaustive", False))
+
+
 def run_search(args: argparse.Namespace, console: Console, graph, cluster, world: int) -> int:
     from torchweave.search import local_cluster, search
     from torchweave.search.pool import default_workers
@@ -45,7 +53,7 @@ def run_search(args: argparse.Namespace, console: Console, graph, cluster, world
     with console.status("searching") as status:
         result = search(graph, cluster, constraints, world_size=world, top=args.top,
                         workers=default_workers(len(graph.nodes), world),
-                        exhaustive=getattr(args, "exhaustive", False),
+                        exhaustive=getattr(args, "exhaustive", False) or _exhaustive(args),
                         progress=lambda msg: status.update(escape(msg)))
     table = Table(title=f"{graph.model_name}: the best plans on {cluster} "
                         f"({constraints.name}; {result.considered} points, "

@@ -34,6 +34,8 @@ Options (each policy takes those listed in :data:`OPTIONS`):
               cluster, :mod:`torchweave.search.intra`)
 ``preset``    ``auto`` only: the constraint set the search starts from
               (:mod:`torchweave.search`)
+``exhaustive`` ``auto`` only: ``1`` builds and simulates every point of the space,
+              estimating none (the baseline the search is judged by; slow)
 ============  =================================================================
 """
 
@@ -66,7 +68,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
     "interleaved": (*_PIPE, "virtual"),
     "interlaced": ("micro", "recompute"),
-    "auto": ("preset",),
+    "auto": ("preset", "exhaustive"),
 }
 """The options each built-in policy takes."""
 
@@ -83,6 +85,9 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
     if key == "preset":
         return (value, None) if _MODULE.fullmatch(value) else (
             None, "preset is a preset's name (megatron, zero3, dp, nnscaler, alpa, free)")
+    if key == "exhaustive":
+        return (value == "1", None) if value in ("0", "1") else (
+            None, "exhaustive is 1 (build and simulate every point of the space) or 0")
     if key == "split":
         return (value, None) if value in SPLIT_OPTIONS else (
             None, f"split is one of {', '.join(SPLIT_OPTIONS)}")

@@ -73,11 +73,13 @@ def resolve(plan: PlanLike, graph: Graph, world_size: int, *, cluster: Cluster |
         built.notes["spec"] = spec.text
         return built
     chosen = constraints or spec.options.get("preset") or "free"
+    every = spec.options.get("exhaustive", False)
     result = search(graph, cluster or local_cluster(world_size), chosen, world_size=world_size,
-                    top=1)
+                    top=1, exhaustive=every)
     best = result.best.plan
-    best.notes["search"] = (f"auto ({result.constraints.name}): best of {len(result.ranked)} "
-                            f"simulated among {result.considered} points on {result.cluster}")
+    best.notes["search"] = (f"auto ({result.constraints.name}{', exhaustive' if every else ''}): "
+                            f"best of {len(result.ranked)} simulated among {result.considered} "
+                            f"points on {result.cluster}")
     return best
 
 

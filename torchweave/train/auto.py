@@ -63,7 +63,7 @@ def choose_plan(graph: Graph, world_size: int, *, device: str | None = None) -> 
 
 
 def search_plan(graph: Graph, plan: str, parallel) -> Choice:
-    """``plan`` (``auto``, ``auto:preset=NAME``) searched for ``parallel`` (a
+    """``plan`` (``auto``, ``auto:preset=NAME,exhaustive=1``) searched for ``parallel`` (a
     ``ParallelConfig``) on this machine as ``parallel.world_size`` ranks."""
     from torchweave.policies.spec import PlanSpec
     from torchweave.search import Degrees, local_cluster, preset, search
@@ -73,7 +73,8 @@ def search_plan(graph: Graph, plan: str, parallel) -> Choice:
     c = c.with_(dp=Degrees(only=(parallel.dp,)),
                 schedules=("none",) if parallel.grad_accum > 1 else c.schedules)
     cluster = local_cluster(parallel.world_size)
-    result = search(graph, cluster, c, world_size=parallel.world_size, top=5)
+    result = search(graph, cluster, c, world_size=parallel.world_size, top=5,
+                    exhaustive=spec.options.get("exhaustive", False))
     ranked = ", ".join(f"{r.spec} {r.result.step_time * 1e3:.1f} ms" for r in result.ranked)
     why = (f"fastest predicted on {cluster} in {c.name} with dp={parallel.dp}: {ranked}")
     return Choice(result.best.spec, {r.spec: r.result.step_time for r in result.ranked}, why,
