@@ -10,7 +10,7 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from torchweave.errors import TorchweaveError
+from torchweave.errors import Problem, TorchweaveError
 
 
 PLAN_HELP = ("a plan string, POLICY[:KEY=VALUE,...] (dp, zero3:recompute=full, tp:tp=4,zero=1, "
@@ -23,11 +23,21 @@ def _inspect(args: argparse.Namespace, console: Console) -> int:
 
     import torchweave
     from torchweave.factory import load
+    from torchweave.ir.graphfile import is_graph_file, load_graph, save_graph
     from torchweave.summary import render
 
+    if args.save_graph and not is_graph_file(args.save_graph):
+        raise TorchweaveError(Problem(obj="--save-graph", value=args.save_graph,
+                                      rule="a graph file's name ends in .graph.json (that is how "
+                                           "plan, simulate and explain tell it from a model)",
+                                      fix=f"--save-graph {args.save_graph.removesuffix('.json')}"
+                                          ".graph.json"))
     t0 = time.perf_counter()
-    loaded = load(args.model, meta=args.meta)
-    graph = torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
+    if is_graph_file(args.model):
+        graph = load_graph(args.model)
+    else:
+        loaded = load(args.model, meta=args.meta)
+        graph = torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
     took = time.perf_counter() - t0
     summary = torchweave.summarize(graph)
     render(summary, console, ops=not args.totals)
@@ -37,6 +47,9 @@ def _inspect(args: argparse.Namespace, console: Console) -> int:
         with open(args.json, "w") as f:
             json.dump(summary.to_dict(), f, indent=1)
         console.print(f"wrote {args.json}")
+    if args.save_graph:
+        save_graph(graph, args.save_graph)
+        console.print(f"wrote {args.save_graph}: plan, simulate and explain take it as MODEL")
     return 0
 
 
@@ -59,16 +72,14 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
-    import torchweave
-    from torchweave.factory import load
+    from torchweave.commands.sim import _capture
     from torchweave.lower.lower import lower
     from torchweave.codegen.render import write
     from torchweave.plan.show import plan_table, replication_note
     from torchweave.plan.validate import validate
     from torchweave.search import is_auto, resolve
 
-    loaded = load(args.model, meta=args.meta)
-    graph = torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
+    graph = _capture(args.model, args.meta)  # a saved graph file, or the model captured
     cluster = None
     if args.cluster:
         from torchweave.commands.sim import load_cluster
@@ -113,10 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="build the model on the meta device (no weights are allocated)")
     ins.add_argument("--totals", action="store_true", help="print only the totals")
     ins.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    ins.add_argument("--save-graph", metavar="PATH.graph.json",
+                     help="write the captured graph (no weights) for plan, simulate and explain "
+                          "to take as MODEL: a large model captured once")
     ins.set_defaults(run=_inspect)
     pl = sub.add_parser("plan", help="build a plan with a policy; show it, save it as JSON, "
                         "write each rank's generated code")
-    pl.add_argument("model", metavar="MODEL")
+    pl.add_argument("model", metavar="MODEL", help="a bundled name, path/to/file.py:factory, or a saved graph (*.graph.json)")
     pl.add_argument("--plan", default="dp", help=PLAN_HELP + " (default: dp)")
     pl.add_argument("--world-size", type=int,
                     help="ranks (default: the cluster's size with --cluster, else 2)")
@@ -165,7 +179,7 @@ def _add_sim_commands(sub) -> None:
     cluster_help = "a cluster string (8xA100-80GB-SXM, 16xH100-80GB-SXM@8) or a cluster YAML path"
     sim = sub.add_parser("simulate", help="predict one training step of a plan on a cluster: step "
                          "time, bubble, memory per device, MFU, tokens/s, $ per million tokens")
-    sim.add_argument("model", metavar="MODEL")
+    sim.add_argument("model", metavar="MODEL", help="a bundled name, path/to/file.py:factory, or a saved graph (*.graph.json)")
     sim.add_argument("--cluster", required=True, metavar="SPEC", help=cluster_help)
     sim.add_argument("--plan", action="append", metavar="PLAN",
                      help=PLAN_HELP + " (default: dp). Give it several times to rank several "
@@ -186,7 +200,7 @@ def _add_sim_commands(sub) -> None:
     exp = sub.add_parser("explain", help="per op: partition, devices, communication, time and "
                          "memory of a plan; top costs; --vs compares with another plan")
     exp.add_argument("plan", metavar="PLAN", help="plan.json or a policy name")
-    exp.add_argument("model", metavar="MODEL")
+    exp.add_argument("model", metavar="MODEL", help="a bundled name, path/to/file.py:factory, or a saved graph (*.graph.json)")
     exp.add_argument("--cluster", required=True, metavar="SPEC", help=cluster_help)
     exp.add_argument("--vs", metavar="PLAN", help="another plan.json or policy name: why not it?")
     exp.add_argument("--world-size", type=int, help="ranks for a policy name (default: cluster size)")

@@ -34,6 +34,12 @@ def resolve(spec: str) -> Callable[[], Any]:
 
     if spec in FACTORIES:
         return FACTORIES[spec]
+    if spec.endswith(".graph.json"):
+        raise TorchweaveError(Problem(
+            obj="model", value=repr(spec),
+            rule="a saved graph holds no weights: plan, simulate and explain take it, but what "
+                 "runs the model (verify, train, demo) needs the model itself",
+            fix="give the model's factory (path/to/file.py:factory or a bundled name)"))
     path, sep, attr = spec.rpartition(":")
     if not sep:
         raise TorchweaveError(Problem(

@@ -50,9 +50,22 @@ class Setup:
 
 
 def _capture(model: str, meta: bool, micro_batches: int = 1):
-    """``model``'s graph on its example batch, or on one of ``micro_batches`` pieces of it."""
+    """``model``'s graph on its example batch, or on one of ``micro_batches`` pieces of it;
+    ``model`` may be a saved graph (``*.graph.json``, :mod:`torchweave.ir.graphfile`)."""
     import torchweave
     from torchweave.factory import load
+    from torchweave.ir.graphfile import is_graph_file, load_graph
+
+    if is_graph_file(model):
+        if micro_batches != 1:
+            raise TorchweaveError(Problem(
+                obj="--grad-accum (or the plan's accum)", value=str(micro_batches),
+                rule=f"a saved graph ({model}) is one batch's and cannot be cut into micro-batches",
+                fix="save the graph of one micro-batch (a factory whose example batch is one "
+                    "micro-batch), or give the model itself"))
+        if not Path(model).is_file():
+            raise TorchweaveError(Problem(obj="model", value=model, rule="the graph file exists"))
+        return load_graph(model)
 
     loaded = load(model, meta=meta)
     args = loaded.args
