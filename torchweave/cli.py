@@ -23,7 +23,7 @@ def _inspect(args: argparse.Namespace, console: Console) -> int:
 
     import torchweave
     from torchweave.factory import load
-    from torchweave.ir.graphfile import is_graph_file, load_graph, save_graph
+    from torchweave.graphfile import is_graph_file, load_graph, save_graph
     from torchweave.summary import render
 
     if args.save_graph and not is_graph_file(args.save_graph):

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import captured
 from torchweave.cli import main
-from torchweave.ir.graphfile import GraphFileError, graph_from_json, graph_to_json
+from torchweave.graphfile import GraphFileError, graph_from_json, graph_to_json
 from torchweave.policies import resolve
 from torchweave.sim import parse_cluster, simulate
 

@@ -51,10 +51,10 @@ class Setup:
 
 def _capture(model: str, meta: bool, micro_batches: int = 1):
     """``model``'s graph on its example batch, or on one of ``micro_batches`` pieces of it;
-    ``model`` may be a saved graph (``*.graph.json``, :mod:`torchweave.ir.graphfile`)."""
+    ``model`` may be a saved graph (``*.graph.json``, :mod:`torchweave.graphfile`)."""
     import torchweave
     from torchweave.factory import load
-    from torchweave.ir.graphfile import is_graph_file, load_graph
+    from torchweave.graphfile import is_graph_file, load_graph
 
     if is_graph_file(model):
         if micro_batches != 1:
