@@ -114,12 +114,11 @@ class Builder:
         self._nodes = {node.name: node for node in self.graph.nodes}
         pipe = self.plan.pipeline
         self.stage_of: dict[str, int] = dict(pipe.stage_of) if pipe is not None else {}
-        self.recompute = {n for grp in self.plan.recompute for n in grp}
+        self.group_of = {n: k for k, grp in enumerate(self.plan.recompute) for n in grp}
+        """Node → its recompute group's index (``Plan.recompute``)."""
         for node in self.graph.nodes:
             self.costs[node.name] = self._node_cost(node)
             self.saves[node.name] = saves(self.graph, node)
-        self._made_in = {o: n.name for n in self.graph.nodes for o in n.outputs}
-        self._group_of = {n: k for k, grp in enumerate(self.plan.recompute) for n in grp}
 
     # ---------------------------------------------------------------- sizes
     def itemsize(self, value: str) -> int:
@@ -153,7 +152,7 @@ class Builder:
             hit = self.profiles.lookup(op_key(self.graph, node, piece, self.dtype) or "")
             if hit is not None:
                 fwd, bwd = hit
-        if any(node.name in grp for grp in self.plan.recompute):
+        if node.name in self.group_of:
             bwd += fwd  # its forward runs again before its backward
         return NodeCost(fwd, bwd if grad else 0.0, tuple(out), grad, op.flops + op.bwd_flops)
 
@@ -236,7 +235,7 @@ class Builder:
 
                 self._storages(ins, refs, root, strided)
                 sv, node = self.saves[ins.node], self._nodes[ins.node]
-                group = self._group_of.get(ins.node)
+                group = self.group_of.get(ins.node)
                 if group is not None:  # made here inside the group: recomputed, not kept
                     inner.update((o, group) for o in ins.outputs)
                 pos = refs if len(refs) == len(node.input_refs()) else []
@@ -248,7 +247,7 @@ class Builder:
                     if v not in not_act and base not in not_act:
                         kept[base] = nbytes.get(base, 0.0)
                         kept_stage.setdefault(base, self.stage_of.get(ins.node, -1))
-                if sv.extra and cost.out_bytes and ins.node not in self.recompute:
+                if sv.extra and cost.out_bytes and group is None:
                     foot.activations += int(sv.extra * cost.out_bytes[0])
                 free = cost.fwd == 0.0
                 if not free and cost.grad:  # one micro-batch's output at a time in a pipeline
@@ -258,7 +257,7 @@ class Builder:
             elif isinstance(ins, Comm):
                 if ins.src in params:
                     first_reader.setdefault(ins.src, idx)
-                k = self._group_of.get(ins.consumer)
+                k = self.group_of.get(ins.consumer)
                 if k is not None and inner.get(ins.src) == k:
                     # made here inside the group's recompute run (codegen/recompute.py) from
                     # a value of the run: run again in backward, not kept
