@@ -184,7 +184,7 @@ def _predict_and_measure(ctx: Ctx, cfg, batch, cluster_name: str,
     from torchweave.runtime.executor import RankModule, StepConfig
     from torchweave.runtime.groups import GroupCache
     from torchweave.sim import parse_cluster
-    from torchweave.sim.profile import OpProfiles, profile_graph
+    from torchweave.sim.hardware.profile import OpProfiles, profile_graph
     from torchweave.sim.simulate import simulate
 
     dev = ctx.device

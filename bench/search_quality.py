@@ -113,7 +113,7 @@ def main() -> int:
     from torchweave.search import search
     from torchweave.policies.spec import PlanSpec
     from torchweave.search.pool import default_workers
-    from torchweave.sim.fold import find_blocks
+    from torchweave.sim.fast.fold import find_blocks
     from torchweave.sim import parse_cluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

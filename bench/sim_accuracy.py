@@ -25,7 +25,7 @@
    (its ``buffers`` and ``temporaries`` are printed but left out of both).
 3. Simulate each plan with ``torchweave.sim.simulate(graph, plan, cluster)``
    twice: with the calibrated roofline, and with profiled op times
-   (``torchweave.sim.profile``: each plan's op pieces and optimizer step timed
+   (``torchweave.sim.hardware.profile``: each plan's op pieces and optimizer step timed
    by every rank at once, inside the measuring launch, one pass after each
    timed step, the median over the passes; so steps and timings sample the
    same minutes of the shared machine's load; the slowest rank's time per op;
@@ -72,7 +72,7 @@ def calibrate(world: int, out: str) -> Any:
     from rich.console import Console
 
     from torchweave.commands import calibrate_cmd
-    from torchweave.sim.cluster import load_cluster_yaml
+    from torchweave.sim.hardware.cluster import load_cluster_yaml
 
     calibrate_cmd(argparse.Namespace(world_sizes=[world], out=out, quick=False), Console())
     return load_cluster_yaml(out)
@@ -181,7 +181,7 @@ def _profiler(ctx, plan: str, passes: list[dict]):
     collective costs after compute; each call appends one pass to ``passes``."""
     import torchweave
     from torchweave.policies import resolve
-    from torchweave.sim.profile import OpProfiles, profile_graph, profile_sync
+    from torchweave.sim.hardware.profile import OpProfiles, profile_graph, profile_sync
 
     model, batch = make_gpt()
     graph = torchweave.capture(model, batch)
@@ -298,7 +298,7 @@ def main() -> None:
                      + (f", per-op overhead {d.op_overhead * 1e6:.1f} µs"
                         if getattr(d, "op_overhead", 0) else ""))
         print(specs[-1], flush=True)
-        from torchweave.sim.profile import OpProfiles
+        from torchweave.sim.hardware.profile import OpProfiles
 
         # Op timings by op, local shapes, dtype and device; the device includes how many
         # ranks share these cores, since that is what each rank's ops see. Re-measured on

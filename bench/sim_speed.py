@@ -7,8 +7,8 @@ For each model: one capture on the meta device (global batch ``--batch`` x
 on its own (wall clock, this process). Plans: Megatron tensor parallelism
 inside each 8-GPU node with data parallelism across (``tp:tp=8``), and
 pipelines of tp = 8 under the interleaved schedule and ZB-H1. Pipelined plans
-take the stage fast path (``sim/stagefold.py``), the others replica symmetry
-and block folding (``sim/symmetry.py``, ``sim/fold.py``); the issue's target
+take the stage fast path (``sim/fast/stagefold.py``), the others replica symmetry
+and block folding (``sim/fast/symmetry.py``, ``sim/fast/fold.py``); the issue's target
 is at most 5 s per plan after capture.
 
 ``--exact`` also compares, on 64 GPUs, the fast path with lowering and
@@ -68,7 +68,7 @@ def main() -> int:
 
     from torchweave.policies import resolve
     from torchweave.sim import simulate
-    from torchweave.sim.cluster import parse_cluster
+    from torchweave.sim.hardware.cluster import parse_cluster
 
     rows, graphs = [], {}
     for name in MODELS:
@@ -109,7 +109,7 @@ def exact_table(g) -> str:
     """Fast against exact on 64 GPUs for the 175B pipelined plans."""
     from torchweave.policies import resolve
     from torchweave.sim import simulate
-    from torchweave.sim.cluster import parse_cluster
+    from torchweave.sim.hardware.cluster import parse_cluster
 
     cluster = parse_cluster("64xA100-80GB-SXM@8")
     out = ("On 64 GPUs, GPT-3 175B, the fast path against lowering and simulating every "

@@ -180,7 +180,7 @@ def test_recompute_keeps_less_and_computes_the_same(tmp_path, mode) -> None:
 
 def test_the_simulator_sees_what_each_recompute_keeps() -> None:
     from torchweave.sim import simulate
-    from torchweave.sim.cluster import parse_cluster
+    from torchweave.sim.hardware.cluster import parse_cluster
 
     graph = captured("gpt-tiny")
     cluster = parse_cluster("2xA100-80GB-SXM")
@@ -198,7 +198,7 @@ def test_full_recompute_keeps_each_blocks_input_with_or_without_tensor_paralleli
     once dropped the inputs of blocks after the first and kept the tensor-parallel
     all-reduces' outputs (2.5x the activations of the same plan without tp)."""
     from torchweave.sim import simulate
-    from torchweave.sim.cluster import parse_cluster
+    from torchweave.sim.hardware.cluster import parse_cluster
 
     graph = _gpt_meta_graph()
     cluster = parse_cluster("8xA100-80GB-SXM")

@@ -18,7 +18,7 @@ from torchweave.plan.schedules.recycle import in_bubbles, makespan, multi_forwar
 from torchweave.plan.validate import PlanError, validate
 from torchweave.policies import resolve
 from torchweave.policies.pipeline import pipeline, with_recycle, with_schedule
-from torchweave.sim.pipeline import StageCost, simulate_schedule
+from torchweave.sim.step.schedule import StageCost, simulate_schedule
 
 
 def _bases(p: int, m: int):

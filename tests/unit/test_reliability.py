@@ -9,7 +9,7 @@ import pytest
 
 from torchweave.cli import main
 from torchweave.sim import parse_cluster
-from torchweave.sim.reliability import reliability
+from torchweave.sim.hardware.reliability import reliability
 
 
 class _Mem:

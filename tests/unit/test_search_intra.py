@@ -13,7 +13,7 @@ from torchweave.policies.spec import PlanSpec
 from torchweave.search import OpRule, load_constraints, needs_search, preset, resolve, search
 from torchweave.search.intra import describe, price, solve, tp_dims
 from torchweave.sim import parse_cluster
-from torchweave.sim.devices import Link
+from torchweave.sim.hardware.devices import Link
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,7 +206,7 @@ def test_a_folded_block_is_priced_once_per_layer() -> None:
     """All whole on tp=2 of 2 devices (no data parallelism): the price is every op's forward
     and backward plus AdamW's pass, summed over all layers, though the blocks are folded."""
     from torchweave.ops import info
-    from torchweave.sim.cost import ComputeModel, dtype_of, op_time
+    from torchweave.sim.hardware.compute import ComputeModel, dtype_of, op_time
 
     cluster = parse_cluster("2xA100-80GB-SXM@2")
     for layers in (4, 16):

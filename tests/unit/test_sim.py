@@ -16,7 +16,7 @@ from torchweave.sim import (
     op_time, parse_cluster,
 )
 from torchweave.policies import resolve
-from torchweave.sim.cluster import cluster_from_dict, cluster_to_dict
+from torchweave.sim.hardware.cluster import cluster_from_dict, cluster_to_dict
 from torchweave.sim.simulate import simulate
 
 REQUIRED = ["V100-32GB-SXM2", "A100-40GB-SXM", "A100-80GB-SXM", "A100-80GB-PCIe", "H100-80GB-SXM",

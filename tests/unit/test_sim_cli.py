@@ -162,7 +162,7 @@ def test_simulate_profile_times_ops_here_and_caches_them(tmp_path, monkeypatch, 
 
 
 def test_explain_folded_model_gives_every_block_its_communication() -> None:
-    """Blocks past the 4th are not simulated (sim/fold.py); their rows read block 3's times."""
+    """Blocks past the 4th are not simulated (sim/fast/fold.py); their rows read block 3's times."""
     import torch
 
     import torchweave

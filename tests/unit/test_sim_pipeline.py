@@ -8,7 +8,7 @@ from torchweave.errors import SimError
 from torchweave.plan.schedules import (
     bubble_fraction, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1,
 )
-from torchweave.sim.pipeline import StageCost, simulate_schedule
+from torchweave.sim.step.schedule import StageCost, simulate_schedule
 
 MiB = 2**20
 
@@ -192,3 +192,21 @@ def test_gradient_sums_overlap_the_schedule_where_the_device_can() -> None:
     # With ZeRO-1 both devices sum after the last action: no difference.
     z = pipeline(g, 4, schedule="interleaved", dp=2, micro=4, zero=1)
     assert simulate(g, z, fast).step_time == pytest.approx(simulate(g, z, serial).step_time)
+
+
+@pytest.mark.parametrize("kind,ranks,virtual,micro", [
+    ("gpipe", 4, 1, 6), ("1f1b", 4, 1, 8), ("zb", 4, 1, 8), ("interleaved", 4, 2, 8),
+    ("interleaved", 2, 3, 4)])
+def test_the_simulator_orders_actions_by_the_schedules_own_rules(kind, ranks, virtual, micro) -> None:
+    """With no transfer time, every action starts and ends when ``plan.schedules``'
+    ``timeline`` says: both read one dependency rule (``check.dependencies``)."""
+    from torchweave.plan.schedules import builtin, timeline
+
+    schedule = builtin(kind, ranks, virtual, micro)
+    step = simulate_schedule(schedule, [StageCost(fwd=1.0, bwd=2.0)] * (ranks * virtual))
+    ours = {(r, str(a)): (t0, t1) for r, t0, t1, a in step.events}
+    theirs = {(r, str(a)): (t0, t1) for r, acts in timeline(schedule, cost_f=1.0, cost_b=2.0).items()
+              for t0, t1, a in acts}
+    assert ours.keys() == theirs.keys()
+    for k, (t0, t1) in theirs.items():
+        assert ours[k] == pytest.approx((t0, t1)), k

@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import captured
 from torchweave.policies import resolve
 from torchweave.sim import parse_cluster, simulate
-from torchweave.sim.profile import OpProfiles, first_piece, op_key, profile_graph
+from torchweave.sim.hardware.profile import OpProfiles, first_piece, op_key, profile_graph
 
 
 def test_profile_times_each_distinct_piece_once_and_round_trips(tmp_path) -> None:
@@ -50,7 +50,7 @@ def test_simulate_uses_profiled_times_in_place_of_the_roofline() -> None:
 
 
 def test_sync_overhead_is_added_to_every_collective() -> None:
-    from torchweave.sim.profile import profile_sync, sync_key
+    from torchweave.sim.hardware.profile import profile_sync, sync_key
 
     prof = OpProfiles("test")
     extra = profile_sync(prof, ranks=2, all_reduce=lambda x: None, segment=1e-4, reps=3)

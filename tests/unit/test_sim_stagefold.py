@@ -1,4 +1,4 @@
-"""The fast path for pipelined plans (``sim/stagefold.py``) gives the exact simulation's results.
+"""The fast path for pipelined plans (``sim/fast/stagefold.py``) gives the exact simulation's results.
 
 Every schedule on 64 simulated GPUs, with data, tensor and pipeline parallelism,
 ZeRO 1 and 2, recompute and bf16: the fast path (three pipeline ranks, two
@@ -18,7 +18,7 @@ from torchweave.errors import TorchweaveError
 from torchweave.policies import resolve
 from torchweave.sim import parse_cluster
 from torchweave.sim.simulate import MemoryUse, simulate
-from torchweave.sim.stagefold import find_stage_shape
+from torchweave.sim.fast.stagefold import find_stage_shape
 
 REL = 1e-3
 

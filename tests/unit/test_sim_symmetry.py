@@ -1,8 +1,8 @@
 """Fast paths of the simulator give the results of the exact one.
 
-- replica symmetry (``sim/symmetry.py``): one data-parallel replica lowered and
+- replica symmetry (``sim/fast/symmetry.py``): one data-parallel replica lowered and
   simulated for all;
-- folding (``sim/fold.py``, ``sim/folded.py``): 4 of the model's identical blocks
+- folding (``sim/fast/fold.py``, ``sim/fast/folded.py``): 4 of the model's identical blocks
   lowered, their tasks copied to all of them.
 """
 
@@ -18,9 +18,9 @@ from tests.conftest import captured
 from torchweave.policies import random_plan, resolve
 from torchweave.policies.tensor import sp, tp
 from torchweave.sim import parse_cluster
-from torchweave.sim.fold import find_blocks
+from torchweave.sim.fast.fold import find_blocks
 from torchweave.sim.simulate import simulate
-from torchweave.sim.symmetry import Replicas, find_replicas
+from torchweave.sim.fast.symmetry import Replicas, find_replicas
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,9 +13,9 @@ from tests.conftest import captured
 from torchweave.errors import SimError
 from torchweave.policies import resolve
 from torchweave.sim import lookup, parse_cluster
-from torchweave.sim.cluster import cluster_of
+from torchweave.sim.hardware.cluster import cluster_of
 from torchweave.sim.simulate import simulate
-from torchweave.sim.trace import save_gantt_png, to_chrome_trace
+from torchweave.sim.explain.trace import save_gantt_png, to_chrome_trace
 
 
 def _sim(policy: str, n: int, cluster: str | None = None, **kw):

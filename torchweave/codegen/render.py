@@ -17,6 +17,7 @@ import torch
 from torchweave.codegen.recompute import RecomputeRun, recompute_runs
 from torchweave.codegen.safe import check, comment, doc
 from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program, Segment
+from torchweave.lower import units
 from torchweave.lower.stages import reads
 from torchweave.lower.steps import (
     P2P, AllGather, AllReduce, AllToAll, GradAllReduce, Group, Narrow, ReduceScatter, Split,
@@ -167,7 +168,7 @@ def segment_function(prog: Program, seg: Segment) -> list[str]:
 def body(prog: Program, instrs: list, keep: set[str]) -> list[str]:
     """Lines of a function body running ``instrs`` (recompute groups wrapped)."""
     lines: list[str] = []
-    first_use = _first_uses(prog, instrs)
+    first_use = units.first_uses(prog, instrs)
     for run in recompute_runs(prog, instrs):
         if isinstance(run, RecomputeRun):
             lines += run.render(prog, first_use, keep, line)
@@ -202,24 +203,9 @@ def line(prog: Program, ins) -> str:
     return ""
 
 
-def _first_uses(prog: Program, instrs: list | None = None) -> dict[int, list]:
-    """Instruction index → parameters read there first (read each just in time,
-    so that a ZeRO-3 parameter is gathered when it is needed)."""
-    by_local = {p.local: p for p in prog.params}
-    seen: set[str] = set()
-    out: dict[int, list] = {}
-    for i, ins in enumerate(prog.instrs if instrs is None else instrs):
-        for n in reads(ins):
-            if n in by_local and n not in seen:
-                seen.add(n)
-                out.setdefault(i, []).append(by_local[n])
-    return out
-
-
 def read_order(prog: Program) -> list[str]:
     """Parameter paths in the order the generated ``forward`` first reads them."""
-    uses = _first_uses(prog)
-    return [prm.path for i in sorted(uses) for prm in uses[i]]
+    return [prm.path for prm in units.read_order(prog)]
 
 
 def _p2p_literal(step: P2P) -> str:

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.sim.profile import median_time
+from torchweave.sim.hardware.profile import median_time
 
 
 def measure_matmul(sizes: list[int], reps: int = 3) -> float:
@@ -71,10 +71,10 @@ def _collective_bench(ctx, sizes: list[int], reps: int) -> list[tuple[str, int, 
 def _shared_bench(ctx, threads: int, n: int, reps: int) -> tuple[float, float]:
     """On each rank, every rank at once: fp32 matmul FLOP/s (``n×n``), and the seconds a
     one-float all-reduce waits when the ranks come to it from computing
-    (:func:`~torchweave.sim.profile.profile_sync`)."""
+    (:func:`~torchweave.sim.hardware.profile.profile_sync`)."""
     import torch.distributed as dist
 
-    from torchweave.sim.profile import OpProfiles, profile_sync
+    from torchweave.sim.hardware.profile import OpProfiles, profile_sync
 
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -108,8 +108,8 @@ def calibrate_cmd(args: argparse.Namespace, console: Console) -> int:
     import platform
 
     from torchweave.runtime.launch import LaunchConfig, spawn
-    from torchweave.sim.cluster import Cluster, dump_cluster_yaml
-    from torchweave.sim.devices import Link, Peak, lookup
+    from torchweave.sim.hardware.cluster import Cluster, dump_cluster_yaml
+    from torchweave.sim.hardware.devices import Link, Peak, lookup
 
     t_start = time.perf_counter()
     world_sizes = [2] if args.quick else sorted(set(args.world_sizes))

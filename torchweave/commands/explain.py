@@ -19,7 +19,7 @@ from torchweave.commands.sim import (
     GiB, Setup, _capture, _dtype, _mib, _ms, _plan_for, _sim, load_cluster,
 )
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.sim.comm import BUCKET_BYTES
+from torchweave.sim.hardware.comm import BUCKET_BYTES
 
 
 @dataclass
@@ -58,8 +58,8 @@ def _devices(devs: list[int]) -> str:
 def explain_plan(setup: Setup) -> Explained:
     """Per-op partition, devices, communication, time and memory of one plan."""
     from torchweave.lower import steps
-    from torchweave.sim.cost import ComputeModel
-    from torchweave.sim.tasks import Builder
+    from torchweave.sim.hardware.compute import ComputeModel
+    from torchweave.sim.step.build import Builder
 
     plan, cluster = setup.plan, setup.cluster
     if plan.world_size > cluster.size:  # before lowering: the plan must fit the cluster
@@ -67,9 +67,9 @@ def explain_plan(setup: Setup) -> Explained:
             obj=f"plan {plan.name!r} world_size", value=str(plan.world_size),
             rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
             fix=f"use a cluster of at least {plan.world_size} devices, or a plan for {cluster.size}"))
-    from torchweave.sim.simulate import lower_programs
+    from torchweave.sim.fast.symmetry import lower_programs
 
-    # One data-parallel replica lowered for all when the plan allows (sim/symmetry.py);
+    # One data-parallel replica lowered for all when the plan allows (sim/fast/symmetry.py);
     # the communication each node gets is the same on every replica.
     programs, _ = lower_programs(setup.graph, setup.plan, None)
     result = _sim(setup)
@@ -112,11 +112,11 @@ def explain_plan(setup: Setup) -> Explained:
 
 
 def _folded_values(setup: Setup, result) -> dict[str, str]:
-    """When the simulation folded the model's blocks (sim/fold.py): each value made in
+    """When the simulation folded the model's blocks (sim/fast/fold.py): each value made in
     a block past the 4th → the same value of block 3, the last one simulated."""
     if not any("identical" in n for n in result.notes):
         return {}
-    from torchweave.sim.fold import find_blocks, made_in
+    from torchweave.sim.fast.fold import find_blocks, made_in
 
     blocks = find_blocks(setup.graph, setup.plan)
     if blocks is None or len(blocks) < 5:

@@ -44,7 +44,7 @@ def _exhaustive(args: argparse.Namespace) -> bool:
 def run_search(args: argparse.Namespace, console: Console, graph, cluster, world: int) -> int:
     from torchweave.search import local_cluster, search
     from torchweave.search.pool import default_workers
-    from torchweave.sim.reliability import reliability
+    from torchweave.sim.hardware.reliability import reliability
 
     constraints = _constraints(args)
     if args.clusters:
@@ -92,7 +92,7 @@ def _compare(args: argparse.Namespace, console: Console, graph, constraints) -> 
     from torchweave.commands.sim import load_cluster
     from torchweave.search import search
     from torchweave.search.pool import default_workers
-    from torchweave.sim.reliability import reliability
+    from torchweave.sim.hardware.reliability import reliability
 
     rows, failed = [], []
     for text in (t.strip() for t in args.clusters.split(",") if t.strip()):

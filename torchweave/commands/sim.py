@@ -28,7 +28,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --------------------------------------------------------------------- shared
 def load_cluster(spec: str):
     """``--cluster``: a cluster string (``8xA100-80GB-SXM``) or a YAML path."""
-    from torchweave.sim.cluster import load_cluster_yaml, parse_cluster
+    from torchweave.sim.hardware.cluster import load_cluster_yaml, parse_cluster
 
     if spec.endswith((".yaml", ".yml")) or os.sep in spec:
         if not Path(spec).is_file():
@@ -109,7 +109,7 @@ PROFILE_CACHE = Path.home() / ".cache" / "torchweave" / "op-profiles" / "ops.jso
 
 def _profiles(setup: Setup, console: Console):
     """Time the plan's op pieces here (1 thread), reusing the cache; the profiles."""
-    from torchweave.sim.profile import OpProfiles, profile_graph
+    from torchweave.sim.hardware.profile import OpProfiles, profile_graph
 
     device = f"{setup.cluster.device.name} on this machine, 1 thread"
     # On a cluster calibrated here, ranks beyond the cores share them (as calibrate's rates do).
@@ -189,7 +189,7 @@ def _ranking(rows: list, cluster, console: Console) -> None:
 
 def _simulate_one(args: argparse.Namespace, console: Console, setup: Setup):
     """Simulate and print one plan (its trace and Gantt chart if asked); the result."""
-    from torchweave.sim.trace import save_gantt_png, to_chrome_trace
+    from torchweave.sim.explain.trace import save_gantt_png, to_chrome_trace
 
     cluster = setup.cluster
     result = _sim(setup, profiles=_profiles(setup, console) if getattr(args, "profile", False) else None)

@@ -3,7 +3,8 @@
 Every parameter piece replicated over the group is owned. Owned pieces, in the
 order the generated code first reads them, are grouped into *units*: the
 pieces of one module block (``blocks.3.``), or consecutive pieces outside any
-numbered block, up to a byte budget. A unit is flattened, padded to a multiple
+numbered block, up to a byte budget (the rule is :mod:`torchweave.lower.units`,
+which the simulator reads too). A unit is flattened, padded to a multiple
 of the group size and cut into one contiguous shard per member, so one
 all-gather rebuilds a whole unit and one reduce-scatter shards its gradient.
 A member keeps fp32 master weights and optimizer state for its shards only.
@@ -29,23 +30,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from torchweave.lower.units import UNIT_BYTES, group_units, unit_key
 from torchweave.runtime.comm import all_gather_single, reduce_scatter_single
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
-
-UNIT_BYTES = 32 * 2**20
-"""Most fp32 bytes in one unit (a unit never splits a piece)."""
-
-
-def unit_key(path: str) -> str:
-    """Pieces with the same key may share a unit: the path up to its first
-    numbered part (``blocks.3.attn.q_proj.weight`` → ``blocks.3``), else ``""``."""
-    parts = path.split(".")
-    for j, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[:j + 1])
-    return ""
-
 
 class _Units:
     """Layout of the owned pieces: units, each one flat buffer cut into ``size`` shards."""
@@ -57,16 +45,8 @@ class _Units:
         """Master weights, optimizer state and gradient shards: fp32, or fp64 for a float64 model."""
         self.shapes = [tuple(p.shape) for p in pieces]
         self.numels = [p.numel() for p in pieces]
-        self.units: list[list[int]] = []
-        """Piece indices of each unit (consecutive)."""
-        key, used = None, 0
-        for i, k in enumerate(keys):
-            nbytes = 4 * self.numels[i]
-            if not self.units or k != key or (used + nbytes > budget and used):
-                self.units.append([])
-                key, used = k, 0
-            self.units[-1].append(i)
-            used += nbytes
+        self.units: list[list[int]] = group_units(keys, [4 * n for n in self.numels], budget)
+        """Piece indices of each unit (consecutive; :mod:`torchweave.lower.units`)."""
         self.unit_of = [0] * len(pieces)
         self.pos = [0] * len(pieces)
         """Index of the piece inside its unit."""

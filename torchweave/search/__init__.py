@@ -24,8 +24,8 @@ from torchweave.policies import resolve as resolve_policy
 from torchweave.search.constraints import Constraints, Degrees, OpRule, load_constraints, preset, preset_names
 from torchweave.search.intra import Partition, solve, tp_dims
 from torchweave.search.search import Ranked, SearchResult, search
-from torchweave.sim.cluster import Cluster, cluster_of
-from torchweave.sim.devices import lookup
+from torchweave.sim.hardware.cluster import Cluster, cluster_of
+from torchweave.sim.hardware.devices import lookup
 
 
 def is_auto(plan: object) -> bool:

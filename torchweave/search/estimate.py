@@ -3,7 +3,7 @@
 For each tensor-parallel way of splitting a block — ``(tp, sp, recompute, split)``, the
 split being Megatron's rules or the solver's partition (:mod:`~torchweave.search.intra`) — the
 event simulator runs once on a **proxy**: the model cut to 3 and to 4 of its
-identical blocks (:func:`torchweave.sim.fold.cut`), planned with that split
+identical blocks (:func:`torchweave.sim.fast.fold.cut`), planned with that split
 alone on ``tp`` devices of the target cluster. The difference is one block: its
 forward, backward and tensor-parallel communication seconds, its activations
 and its parameters, at the whole batch; the rest (embeddings, head, loss) is
@@ -21,7 +21,7 @@ the batch, by arithmetic:
   stream, and the backward waits for them); after the pipeline flush otherwise; ZeRO-1 one all-reduce (ZeRO-2 one reduce-scatter) and one gather of the
   updated shards (ZeRO-3 and interlaced points are not estimated: :func:`estimable`);
 - **optimizer**: AdamW's memory-bound pass over the rank's (shard of) parameters;
-- **memory**: the rank's model state (:func:`~torchweave.sim.memory.model_state_memory`)
+- **memory**: the rank's model state (:func:`~torchweave.sim.hardware.memory.model_state_memory`)
   and activations: one block's × blocks per stage × micro-batches in flight
   (1 without a pipeline, ``min(micro, pp)`` for 1F1B and ZB, ``micro`` for GPipe,
   ``pp + (pp − 1)/virtual`` for interleaved).
@@ -42,11 +42,11 @@ from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
-from torchweave.sim.cluster import Cluster
-from torchweave.sim.comm import BUCKET_BYTES, Collective, collective_time
-from torchweave.sim.cost import ComputeModel
-from torchweave.sim.fold import Blocks, cut
-from torchweave.sim.memory import model_state_memory
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.hardware.comm import BUCKET_BYTES, Collective, collective_time
+from torchweave.sim.hardware.compute import ComputeModel
+from torchweave.sim.fast.fold import Blocks, cut
+from torchweave.sim.hardware.memory import model_state_memory
 from torchweave.sim.simulate import simulate
 
 
@@ -111,7 +111,7 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     each = model_state_memory(1, precision=precision).params  # bytes a parameter holds
     pb = (m4.params - m3.params) // each
     pr = max(0, m4.params // each - 4 * pb)
-    # The simulator's AdamW pass reads 7 fp32 words per parameter (sim/backward.py): the
+    # The simulator's AdamW pass reads 7 fp32 words per parameter (sim/step/backward.py): the
     # search prices it per point instead.
     block = (r4.step_time - r3.step_time) - 28 * pb / bw
     rest = r4.step_time - 4 * (r4.step_time - r3.step_time) - 28 * pr / bw
@@ -152,7 +152,7 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         bubble = (pt.pp - 1) * (stage + rest)
     elems = int(per_rank_blocks * px.block_params + px.rest_params)
     # Gradients are summed, and ZeRO's shards gathered, in the compute dtype (as the
-    # simulator's tasks do: sim/tasks.py ``itemsize``).
+    # simulator's tasks do: sim/step/build.py ``itemsize``).
     param_bytes = (2 if precision == "bf16-mixed" else 4) * elems
     group = _dp_group(pt, cluster)
     sync = 0.0

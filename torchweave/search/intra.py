@@ -7,7 +7,7 @@ split (sizes permitting, and the constraints' op rules allowing) or run
 whole. The solver picks one choice per op so that the step is fastest under
 a model priced from the cluster:
 
-- **compute**: the op's forward and backward seconds (:func:`~torchweave.sim.cost.op_time`),
+- **compute**: the op's forward and backward seconds (:func:`~torchweave.sim.hardware.compute.op_time`),
   divided by ``tp`` when split, whole when replicated, at the ``1/dp`` share of
   the batch (a pipeline moves the same bytes per step in micro-batches, so
   one answer serves every point with that ``tp``);
@@ -33,7 +33,7 @@ vocabulary. An answer that splits nothing but batches is the plan with a larger
 the best partition that splits the model (batch dims left out of the choices),
 so ``split=solved`` is always a partition of the model where one meets the rules.
 
-Identical blocks (:func:`~torchweave.sim.fold.find_blocks`) share one set of
+Identical blocks (:func:`~torchweave.sim.fast.fold.find_blocks`) share one set of
 variables, so a 96-layer model is one block's problem; an edge that joins a
 block to the next at the same position (the residual stream) falls on the
 diagonal. The program is Alpa's formulation: a one-hot binary per op, and per
@@ -65,7 +65,7 @@ from torchweave.plan.plan import Plan
 from torchweave.search.admit import tied
 from torchweave.search.constraints import OpRule
 from torchweave.search.pricing import WHOLE, Model
-from torchweave.sim.cluster import Cluster
+from torchweave.sim.hardware.cluster import Cluster
 
 @dataclass(frozen=True)
 class Partition:

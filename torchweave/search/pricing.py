@@ -23,11 +23,11 @@ from torchweave.plan.plan import Plan
 from torchweave.plan.propagate import propagate
 from torchweave.policies.data import batch_inputs
 from torchweave.search.constraints import OpRule
-from torchweave.sim.cluster import Cluster
-from torchweave.sim.comm import BUCKET_BYTES, Collective, collective_time
-from torchweave.sim.cost import ComputeModel, dtype_of, op_time
-from torchweave.sim.fold import find_blocks
-from torchweave.sim.memory import model_state_memory
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.hardware.comm import BUCKET_BYTES, Collective, collective_time
+from torchweave.sim.hardware.compute import ComputeModel, dtype_of, op_time
+from torchweave.sim.fast.fold import find_blocks
+from torchweave.sim.hardware.memory import model_state_memory
 
 WHOLE = None
 """The choice of running an op whole (replicated over ``tp``)."""

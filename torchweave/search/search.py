@@ -48,8 +48,8 @@ from torchweave.search.intra import Partition, describe, solve, tp_dims
 from torchweave.search.pool import Failed, Runner, env_workers
 from torchweave.search.select import ROUNDS, corrected, families
 from torchweave.search.space import Point, points
-from torchweave.sim.cluster import Cluster
-from torchweave.sim.fold import find_blocks
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.fast.fold import find_blocks
 from torchweave.sim.simulate import SimResult, simulate
 
 GiB = 2**30

@@ -18,8 +18,8 @@ import torch
 from torchweave.api import capture
 from torchweave.ir.graph import Graph
 from torchweave.search import resolve
-from torchweave.sim.cluster import cluster_of
-from torchweave.sim.devices import lookup
+from torchweave.sim.hardware.cluster import cluster_of
+from torchweave.sim.hardware.devices import lookup
 from torchweave.sim.simulate import simulate
 
 CANDIDATES = ("dp", "zero1", "zero2", "zero3")

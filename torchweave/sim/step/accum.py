@@ -9,21 +9,17 @@ overlapping its backward as usual. ZeRO-3 is the exception: it gathers and
 reduce-scatters by unit on every micro-batch (``runtime/zero3.py``), so its
 copies keep their unit collectives.
 
-Copies rename the values they wait for and set (``name#i``) and their
-collectives' keys, so that each copy meets only itself; a value nobody sets
-(parameters, inputs) is ready at the start in every copy.
+Copies rename the names they wait for and set (:class:`~torchweave.sim.step.signals.Renamed`)
+and their collectives' keys (``Rendezvous.micro``), so that each copy meets only
+itself; a value nobody sets (parameters, inputs) is ready at the start in every copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from torchweave.sim.engine import Task
-
-OPTIMIZER = "opt"
-"""What the optimizer task sets (``sim/backward.py``); what waits for it follows the optimizer."""
-GRAD_SYNC = "g"
-"""The key tag of a gradient sum (``sim/backward.py``)."""
+from torchweave.sim.step.engine import Task
+from torchweave.sim.step.signals import OPTIMIZER, Copying, Meet, Renamed
 
 
 def _after_backward(t: Task, zero: int) -> bool:
@@ -31,7 +27,7 @@ def _after_backward(t: Task, zero: int) -> bool:
     the gradient sums."""
     if OPTIMIZER in t.sets or OPTIMIZER in t.waits:
         return True
-    return zero < 3 and t.key is not None and t.key[0] == GRAD_SYNC
+    return zero < 3 and t.key is not None and t.key.meet is Meet.GRAD_SUM
 
 
 def accumulate(tasks: list[Task], k: int, *, zero: int) -> list[Task]:
@@ -41,11 +37,11 @@ def accumulate(tasks: list[Task], k: int, *, zero: int) -> list[Task]:
     body = [t for t in tasks if not _after_backward(t, zero)]
     out: list[Task] = []
     for i in range(k - 1):
-        def tag(name: str, i: int = i) -> str:
-            return f"{name}#{i}"
+        def tag(name, i: int = i) -> Renamed:
+            return Renamed(name, Copying.MICRO, i)
         out.extend(replace(t, name=f"{t.name} (micro-batch {i})", waits=tuple(map(tag, t.waits)),
                            sets=tuple(map(tag, t.sets)),
-                           key=None if t.key is None else (*t.key, "micro", i))
+                           key=None if t.key is None else t.key._replace(micro=i))
                    for t in body)
     return out + tasks
 

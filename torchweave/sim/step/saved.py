@@ -40,7 +40,7 @@ anything else with a floating output   its floating tensor inputs (conservative)
 
 Parameters are not activations (they are counted as model state) and a value
 saved by several consumers, or saved through several views of one storage,
-counts once: :mod:`torchweave.sim.tasks` adds up distinct storages.
+counts once: :mod:`torchweave.sim.step.build` adds up distinct storages.
 """
 
 from __future__ import annotations

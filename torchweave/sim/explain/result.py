@@ -8,10 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchweave.sim.engine import Event
-from torchweave.sim.symmetry import Replicas
-
 GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One interval of a timeline."""
+
+    rank: int
+    stream: str
+    """``compute`` or ``comm``."""
+    name: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """``count`` identical data-parallel replicas of ``size`` consecutive ranks each, one
+    simulated for all (:mod:`torchweave.sim.fast.symmetry`)."""
+
+    count: int
+    size: int
 
 
 @dataclass(frozen=True, kw_only=True)

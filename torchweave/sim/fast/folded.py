@@ -1,10 +1,10 @@
-"""One step of a model with ``L`` identical blocks, from 4 of them lowered (:mod:`torchweave.sim.fold`).
+"""One step of a model with ``L`` identical blocks, from 4 of them lowered (:mod:`torchweave.sim.fast.fold`).
 
 Lowering is what costs (every node on every simulated rank); the event engine
-is cheap. So the model is cut to 4 blocks (:func:`~torchweave.sim.fold.cut`),
+is cheap. So the model is cut to 4 blocks (:func:`~torchweave.sim.fast.fold.cut`),
 lowered, and each rank's forward and backward tasks (:meth:`Builder.unsynced`)
 are **copied** to ``L`` blocks: block 2's tasks are repeated ``L − 4`` times
-between blocks 2 and 3, each copy's values renamed (``name~c``), its reads of the
+between blocks 2 and 3, each copy's names renamed (:class:`~torchweave.sim.step.signals.Renamed`), its reads of the
 block before pointed at the previous copy, its collectives keyed apart, and
 block 3 reads the last copy. Tasks correspond position by position because the
 blocks are the same ops, shapes and plan decisions (``find_blocks``); where the
@@ -12,7 +12,7 @@ task lists do not say so (different lengths, kinds, durations or names that do
 not map one to one), the copy is refused and the exact path runs.
 
 Gradient sums are then placed on the full task list by the same rule as
-always (:func:`~torchweave.sim.backward.place_syncs`): buckets fill and close
+always (:func:`~torchweave.sim.step.backward.place_syncs`): buckets fill and close
 where they would on the whole model, each costed at its own size, and the
 engine runs the ``L``-block lists, overlap included. Nothing is extrapolated
 in time. Memory is: parameters, buffers and activations are affine in the block
@@ -27,13 +27,17 @@ from dataclasses import replace
 
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
-from torchweave.sim.backward import REACH, SyncInputs, place_syncs
-from torchweave.sim.cluster import Cluster
-from torchweave.sim.cost import ComputeModel
-from torchweave.sim.engine import Task
-from torchweave.sim.fold import Blocks, cut, extrapolate
-from torchweave.sim.simulate import SimResult, lower_programs, run_step
-from torchweave.sim.tasks import Builder, Footprint
+from torchweave.sim.step.backward import REACH, place_syncs
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.hardware.compute import ComputeModel
+from torchweave.sim.step.engine import Task
+from torchweave.sim.fast.fold import Blocks, cut, extrapolate
+from torchweave.sim.explain.result import SimResult
+from torchweave.sim.fast.symmetry import lower_programs
+from torchweave.sim.step.run import run_step
+from torchweave.sim.step.build import Builder
+from torchweave.sim.step.signals import Copying, Renamed
+from torchweave.sim.step.state import Footprint, SyncInputs
 
 
 def simulate_folded(graph: Graph, plan: Plan, cluster: Cluster, blocks: Blocks, *, dtype,
@@ -91,7 +95,7 @@ def lift(tasks: list[Task], n_fwd: int, inputs: SyncInputs, total: int
         zip(bwd[slice(*bs[1])], bwd[slice(*bs[2])]))
     if fs[1][1] - fs[1][0] != fs[2][1] - fs[2][0] or bs[1][1] - bs[1][0] != bs[2][1] - bs[2][0]:
         return None
-    shift: dict[str, str] = {}  # a name in block 1's tasks → the same in block 2's
+    shift: dict = {}  # a name in block 1's tasks → the same in block 2's
     for a, b in pairs:
         if (a.kind, a.dur, a.group, a.nbytes, len(a.waits), len(a.sets)) != (
                 b.kind, b.dur, b.group, b.nbytes, len(b.waits), len(b.sets)) or (
@@ -104,27 +108,32 @@ def lift(tasks: list[Task], n_fwd: int, inputs: SyncInputs, total: int
     own2 = {y for _, b in pairs for y in _names(b)} - n1
     copies = total - 4
 
-    def in_copy(c: int):
-        def ren(x: str) -> str:
+    blocked = {x for part, span in ((fwd, fs[2]), (bwd, bs[2])) for t in part[slice(*span)]
+               for x in _names(t)}  # the names block 2's tasks use, renamed in each copy
+
+    def in_copy(c: int) -> dict:
+        out = {}
+        for x in blocked:
             if x in own2:
-                return f"{x}~{c}"
+                out[x] = _renamed(x, c)
+                continue
             y = shift[x] if x in n1 else x
-            if y == x:  # read from outside the blocks
-                return x
-            return y if c == 1 else f"{y}~{c - 1}"
-        return ren
+            out[x] = y if y == x or c == 1 else _renamed(y, c - 1)  # y == x: from outside
+        return out
 
-    def last(x: str) -> str:
-        return f"{x}~{copies}" if x in own2 else x
+    last = {x: _renamed(x, copies) for x in own2}
 
-    def copy(t: Task, ren, c: int | None, block: int) -> Task:
-        return replace(t, name=ren(t.name) if t.kind == REACH else t.name,
-                       waits=tuple(map(ren, t.waits)), sets=tuple(map(ren, t.sets)),
-                       key=t.key if c is None or t.key is None or t.kind == REACH
-                       else (*t.key, "block", c), block=block)
+    def copy(t: Task, ren: dict, c: int | None, block: int) -> Task:
+        get = ren.get
+        return Task(t.kind, get(t.name, t.name) if t.kind == REACH else t.name,
+                    tuple([get(x, x) for x in t.waits]), tuple([get(x, x) for x in t.sets]),
+                    t.dur, t.key if c is None or t.key is None else t.key._replace(block=c),
+                    t.group, t.stage, t.crossing, t.nbytes, block, t.closes)
+
+    renames = {c: in_copy(c) for c in range(1, copies + 1)}
 
     def body(part: list[Task], span: tuple[int, int], c: int) -> list[Task]:
-        return [copy(t, in_copy(c), c, 2 + c) for t in part[slice(*span)]]
+        return [copy(t, renames[c], c, 2 + c) for t in part[slice(*span)]]
 
     def three(part: list[Task], span: tuple[int, int]) -> list[Task]:
         return [copy(t, last, None, total - 1) for t in part[slice(*span)]]
@@ -140,11 +149,15 @@ def lift(tasks: list[Task], n_fwd: int, inputs: SyncInputs, total: int
     params, nbytes = dict(inputs.params), dict(inputs.nbytes)
     for p in [p for p in inputs.params if p in own2]:
         for c in range(1, copies + 1):
-            params[in_copy(c)(p)], nbytes[in_copy(c)(p)] = inputs.params[p], inputs.nbytes[p]
+            params[renames[c][p]], nbytes[renames[c][p]] = inputs.params[p], inputs.nbytes[p]
     return out, SyncInputs(params, nbytes)
 
 
-def _names(t: Task) -> tuple[str, ...]:
+def _renamed(x, c: int) -> Renamed:
+    return tuple.__new__(Renamed, (x, Copying.BLOCK, c))  # the fast way to make one (hot)
+
+
+def _names(t: Task) -> tuple:
     return t.waits + t.sets + ((t.name,) if t.kind == REACH else ())
 
 
@@ -157,11 +170,11 @@ def _spans(tasks: list[Task], order: tuple[int, ...]) -> dict[int, tuple[int, in
             runs[-1] = (t.block, runs[-1][1], i + 1)
         else:
             runs.append((t.block, i, i + 1))
-    inner = [x for x in runs if x[0] != -1]
+    inner = [x for x in runs if x[0] is not None]
     if [x[0] for x in inner] != list(order):
         return None
     first, end = runs.index(inner[0]), runs.index(inner[-1])
-    if any(x[0] == -1 for x in runs[first:end + 1]):
+    if any(x[0] is None for x in runs[first:end + 1]):
         return None
     return {b: (s, e) for b, s, e in inner}
 

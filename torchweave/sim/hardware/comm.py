@@ -39,8 +39,8 @@ from typing import Mapping, Sequence
 
 from torchweave.errors import Problem, SimError
 from torchweave.lower import steps
-from torchweave.sim.cluster import Cluster
-from torchweave.sim.devices import Link
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.hardware.devices import Link
 
 BUCKET_BYTES = 25 * 2**20
 """Gradients are summed in buckets of this many bytes (as DDP does), after backward fills each."""

@@ -1,7 +1,7 @@
 """The regular shape of a pipelined plan, and the small models the stage fast path simulates.
 
 :func:`find_stage_shape` recognises a plan as the pipeline policies build it
-(see :mod:`torchweave.sim.stagefold`); :func:`small_models` cuts it down to
+(see :mod:`torchweave.sim.fast.stagefold`); :func:`small_models` cuts it down to
 ``min(pp, 3)`` pipeline ranks, ``k`` blocks a stage and two data-parallel
 replicas; :func:`lift` puts the lowered small programs back on the full
 ``dp``.
@@ -21,8 +21,8 @@ from torchweave.plan.layout import Mesh
 from torchweave.plan.pipeline import Pipeline
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import BUILTIN, builtin
-from torchweave.sim.fold import Blocks, cut, find_blocks
-from torchweave.sim.symmetry import Replicas, _NotLiftable
+from torchweave.sim.fast.fold import Blocks, cut, find_blocks
+from torchweave.sim.fast.symmetry import Replicas, _NotLiftable, lift_group
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def lift(programs: list[Program], shape: StageShape) -> list[Program] | None:
         q = qs.pop()
         local = tuple(r % small for r in grp)
         if shape.keep != shape.dp:
-            local = rep.lift(local)
+            local = lift_group(rep, local)
             if local is None:
                 raise _NotLiftable
         return tuple(q * full + r for r in local)

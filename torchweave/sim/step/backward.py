@@ -1,4 +1,4 @@
-"""Backward, gradient sync and optimizer tasks of one rank (:mod:`torchweave.sim.tasks`, step 2 and 3).
+"""Backward, gradient sync and optimizer tasks of one rank (:mod:`torchweave.sim.step.build`, steps 2 and 3).
 
 The Program's instructions in reverse, each compute with its backward time and
 each communication step with its backward dual (``lower/steps.py``); the
@@ -9,15 +9,17 @@ reader is issued; AdamW after every sync, ZeRO-1/2 gathering the updated shards.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from torchweave.lower import steps
-from torchweave.lower.program import Comm, Compute, Program
-from torchweave.sim.comm import Collective
-from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
-from torchweave.sim.accum import GRAD_SYNC, OPTIMIZER
-from torchweave.sim.profile import optimizer_key
-from torchweave.sim.tasks import Builder, Footprint, _mine
+from torchweave.lower.program import Comm, Compute
+from torchweave.sim.hardware.comm import Collective
+from torchweave.sim.hardware.profile import optimizer_key
+from torchweave.sim.step.context import StepContext
+from torchweave.sim.step.engine import COMM, COMPUTE, LOCAL, Task
+from torchweave.sim.step.signals import (
+    OPTIMIZER, Kind, Meet, Of, Rendezvous, Signal, grad, regathered,
+)
+from torchweave.sim.step.state import Footprint, RankForward, SyncInputs, mine
 
 _DUAL = {  # forward step → collective its backward runs (None: local)
     steps.Split: Collective.ALL_GATHER, steps.ReduceScatter: Collective.ALL_GATHER,
@@ -25,30 +27,21 @@ _DUAL = {  # forward step → collective its backward runs (None: local)
 }
 
 
-REACH = "reach"
+REACH = Kind.REACH
 """A marker in a rank's backward (not run by the engine): the gradient of parameter
-``name`` may now sum over ``group`` (``nbytes`` local bytes; ``key`` is ``("unit", closes)`` for a ZeRO-3 unit's
-parameter, ``closes`` saying whether it completes the unit). :func:`place_syncs` replaces the markers with the
-bucketed sums; :mod:`torchweave.sim.folded` copies them with the blocks first."""
+``name`` may now sum over ``group``, once what it ``waits`` for is ready (``nbytes`` local bytes; ``closes`` for a ZeRO-3 unit's
+parameter: whether it completes the unit). :func:`place_syncs` replaces the markers with the
+bucketed sums; :mod:`torchweave.sim.fast.folded` copies them with the blocks first."""
 
 
-@dataclass
-class SyncInputs:
-    """What :func:`place_syncs` needs of one rank besides its tasks."""
+def backward(self: StepContext, state: RankForward) -> list[Task]:
+    """The backward of ``state.prog`` with :data:`REACH` markers where gradients may sum.
 
-    params: dict
-    """Local name → ``ParamSlice`` of the parameters that take a gradient."""
-    nbytes: dict[str, float]
-    """Local bytes of each of them."""
-
-
-def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, nbytes,
-                   foot: Footprint, unit_of: dict[str, int], members: dict[int, list[str]]
-                   ) -> list[Task]:
-    """The backward of ``prog`` with :data:`REACH` markers where gradients may sum.
-
-    ``unit_of``/``members``: ZeRO-3 units (:mod:`torchweave.sim.units`): gathered again on
+    ZeRO-3 units (``state.unit_of``, :mod:`torchweave.lower.units`) are gathered again on
     first use in backward, their gradients reduce-scattered once all exist."""
+    prog, foot, params, nbytes = state.prog, state.foot, state.params, state.nbytes
+    first_reader, refs_of, unit_of, members = (state.first_reader, state.refs_of, state.unit_of,
+                                               state.members)
     r, out = prog.rank, []
     left = {u: len(ps) for u, ps in members.items()}
     kept = foot.gathered[-1] if foot.gathered else None  # forward ends with it gathered
@@ -58,34 +51,35 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
     seen: set[int] = set()  # units backward has used
     gathered: set[str] = set()
 
-    def gather(u: int, p: str, stage: int, block: int, how: str) -> None:
+    def gather(u: int, p: str, stage: int | None, block: int | None, how: str) -> None:
         done.add(u)
         gathered.update(members[u])
         if u == kept:
             return
-        grp = _mine(params[p].grad_groups, r)
+        grp = mine(params[p].grad_groups, r)
         size = sum(nbytes[q] for q in members[u])
         out.append(Task(COMM, f"all_gather unit {u} bwd{how}", (),
-                        tuple("zb:" + q for q in members[u]),
+                        tuple(regathered(q) for q in members[u]),
                         self.comm(Collective.ALL_GATHER, size, grp),
-                        ("zb", u, grp), self._meet(grp), stage, block=block))
+                        Rendezvous(Meet.UNIT_BACKWARD, u, grp), self.meet_of(grp), stage,
+                        block=block))
 
-    def reached(p: str, idx: int, block: int) -> None:
+    def reached(p: str, idx: int, block: int | None) -> None:
         """The backward of ``p``'s first reader is issued: its gradient may sync."""
         if first_reader.get(p) != idx:
             return
         for grp in params[p].grad_groups:
-            grp = _mine((grp,), r)
-            key = None
+            grp = mine((grp,), r)
+            closes = None
             if p in unit_of:
                 left[unit_of[p]] -= 1
-                key = ("unit", not left[unit_of[p]])
-            out.append(Task(REACH, p, key=key, group=grp,
-                            nbytes=nbytes[p], block=block))
+                closes = not left[unit_of[p]]
+            out.append(Task(REACH, p, (grad(p),), group=grp, nbytes=nbytes[p], block=block,
+                            closes=closes))
 
     for idx in range(len(prog.instrs) - 1, -1, -1):
         ins = prog.instrs[idx]
-        stage, block = self._stage(ins), self._block(ins)
+        (stage, crossing), block = self.stage(ins), self.block(ins)
         if isinstance(ins, Compute):
             cost = self.costs[ins.node]
             refs = refs_of[idx]
@@ -105,20 +99,20 @@ def backward_tasks(self: Builder, prog: Program, params, first_reader, refs_of, 
                     gather(nxt, members[nxt][0], stage, block, " (prefetch)")
             if not cost.grad:
                 continue
-            waits = tuple("g:" + o for o in ins.outputs) + tuple(
-                "zb:" + p for p in refs if p in gathered and unit_of.get(p) != kept)
+            waits = tuple(grad(o) for o in ins.outputs) + tuple(
+                regathered(p) for p in refs if p in gathered and unit_of.get(p) != kept)
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
-                            tuple("g:" + a for a in refs), cost.bwd, stage=stage, block=block))
+                            tuple(grad(a) for a in refs), cost.bwd, stage=stage, block=block))
             for p in refs:
                 reached(p, idx, block)
         elif isinstance(ins, Comm):
             out.append(_comm_bwd(self, ins, r, nbytes))
-            out[-1].stage, out[-1].block = stage, block
+            out[-1].stage, out[-1].crossing, out[-1].block = stage, crossing, block
             reached(ins.src, idx, block)
     return out
 
 
-def place_syncs(self: Builder, tasks: list[Task], foot: Footprint, inputs: SyncInputs,
+def place_syncs(self: StepContext, tasks: list[Task], foot: Footprint, inputs: SyncInputs,
                 rank: int) -> list[Task]:
     """``tasks`` with every :data:`REACH` marker replaced by the gradient sums it closes,
     then AdamW after all of them and, for ZeRO-1/2, the gather of the updated shards.
@@ -128,18 +122,19 @@ def place_syncs(self: Builder, tasks: list[Task], foot: Footprint, inputs: SyncI
     zero, params = self.plan.zero, inputs.params
     buckets = Buckets(math.inf if zero in (1, 2) else self.bucket_bytes)
     count: dict[tuple, int] = {}
-    synced: list[str] = []
+    synced: list[Signal] = []
     out: list[Task] = []
+    waits: dict = {}  # a marker's name -> what its sum waits for
 
     def flush(grp: tuple, names: list[str], size: float) -> None:
         coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
         n = count[grp] = count.get(grp, 0) + 1
         foot.temporaries = max(foot.temporaries, int(size))
         foot.bucket = max(foot.bucket, int(size))
-        tag = f"grad sync {n}"
+        tag = Signal(Of.SYNCED, f"{n} {grp}")
         out.append(Task(COMM, f"{coll.value} grads #{n} ({len(names)} params)",
-                        tuple("g:" + p for p in names), (tag,), self.comm(coll, size, grp),
-                        (GRAD_SYNC, n, grp), self._meet(grp), nbytes=int(size)))
+                        tuple(w for p in names for w in waits[p]), (tag,), self.comm(coll, size, grp),
+                        Rendezvous(Meet.GRAD_SUM, n, grp), self.meet_of(grp), nbytes=int(size)))
         synced.append(tag)
 
     for t in tasks:
@@ -147,13 +142,13 @@ def place_syncs(self: Builder, tasks: list[Task], foot: Footprint, inputs: SyncI
             out.append(t)
             continue
         foot.grad_order.append((t.name, t.group, t.nbytes))
-        closes = t.key[1] if t.key is not None else None
-        for done in buckets.add(t.name, t.group, t.nbytes, closes=closes):
+        waits[t.name] = t.waits
+        for done in buckets.add(t.name, t.group, t.nbytes, closes=t.closes):
             flush(*done)
     for done in buckets.drain():
         flush(*done)
     local = sum(inputs.nbytes[p] for p in params)
-    dp = max((len(_mine(s.grad_groups, rank)) for s in params.values() if s.grad_groups),
+    dp = max((len(mine(s.grad_groups, rank)) for s in params.values() if s.grad_groups),
              default=1)
     shard = local / dp if zero >= 1 else local
     bw = self.cluster.device.memory_bandwidth * self.model.bandwidth
@@ -165,9 +160,10 @@ def place_syncs(self: Builder, tasks: list[Task], foot: Footprint, inputs: SyncI
         t_opt = t_opt[0]
     out.append(Task(COMPUTE, "optimizer (AdamW)", tuple(synced), (OPTIMIZER,), t_opt))
     if 1 <= zero <= 2 and dp > 1:
-        grp = next(_mine(s.grad_groups, rank) for s in params.values() if s.grad_groups)
+        grp = next(mine(s.grad_groups, rank) for s in params.values() if s.grad_groups)
         out.append(Task(COMM, "all_gather params", (OPTIMIZER,), (),
-                        self.comm(Collective.ALL_GATHER, local, grp), ("zp", grp), self._meet(grp),
+                        self.comm(Collective.ALL_GATHER, local, grp),
+                        Rendezvous(Meet.PARAM_GATHER, None, grp), self.meet_of(grp),
                         nbytes=int(local)))
     return out
 
@@ -197,14 +193,14 @@ class Buckets:
         return group, self.names.pop(group), self.fill.pop(group)
 
 
-def _comm_bwd(self: Builder, ins: Comm, r: int, nbytes) -> Task:
+def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:
     step = ins.step
     name = f"{steps.name_of(step)} {ins.value} bwd"
-    waits, sets = ("g:" + ins.dst,), ("g:" + ins.src,)
+    waits, sets = (grad(ins.dst),), (grad(ins.src),)
     if not self.graph.values[ins.value].meta.dtype.is_floating_point or isinstance(step, steps.Narrow):
         return Task(LOCAL, name, waits, sets)
     if isinstance(step, steps.P2P):
-        return Task(COMM, name, waits, sets, self._p2p(step.grad_back, r, ins.value))
+        return Task(COMM, name, waits, sets, self.p2p(step.grad_back, r, ins.value))
     coll = _DUAL.get(type(step))
     if isinstance(step, steps.AllReduce) and step.bwd == "all_reduce":
         coll = Collective.ALL_REDUCE
@@ -212,10 +208,10 @@ def _comm_bwd(self: Builder, ins: Comm, r: int, nbytes) -> Task:
         coll = Collective.REDUCE_SCATTER
     if coll is None:
         return Task(LOCAL, name, waits, sets)
-    grp = _mine(step.groups, r)
+    grp = mine(step.groups, r)
     # The dual of a split or reduce-scatter gathers the source's bytes; the others
     # move the destination's (the same, or the gathered tensor for a reduce-scatter).
     src = isinstance(step, (steps.Split, steps.ReduceScatter))
     size = nbytes.get(ins.src if src else ins.dst, 0.0)
-    return Task(COMM, name, waits, sets, self.comm(coll, size, grp), ("b", ins.dst, grp),
-                self._meet(grp))
+    return Task(COMM, name, waits, sets, self.comm(coll, size, grp),
+                Rendezvous(Meet.BACKWARD, ins.dst, grp), self.meet_of(grp))

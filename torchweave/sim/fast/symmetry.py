@@ -25,7 +25,7 @@ So the simulator:
 
 Sizes along the split dimension differ between the reduced and the full plan
 (``B/2`` against ``B/D``). The simulator takes every size from the full plan
-(:class:`~torchweave.sim.tasks.Builder` ``cost_plan``); only local slices
+(:class:`~torchweave.sim.step.build.Builder` ``cost_plan``); only local slices
 (``Narrow``) carry a box, and their sizes are taken from the consumer's piece
 under the full plan. A point-to-point transfer across replicas cannot be
 lifted, and neither can a gather, scatter or all-to-all across
@@ -37,33 +37,29 @@ slices of a replicated tensor (the batch split) cross replicas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from torchweave.ir.graph import Graph
 from torchweave.lower import steps
+from torchweave.lower.lower import lower
 from torchweave.lower.program import Comm, Program
 from torchweave.plan.layout import Mesh
 from torchweave.plan.plan import Order, PieceRef, Plan
+from torchweave.sim.explain.result import Replicas
 
 
-@dataclass(frozen=True)
-class Replicas:
-    """``count`` identical replicas of ``size`` consecutive ranks each."""
-
-    count: int
-    size: int
-
-    def lift(self, group: tuple[int, ...]) -> tuple[int, ...] | None:
-        """A group of the two-replica world, in the full world (None: not liftable)."""
-        t = self.size
-        blocks = {r // t for r in group}
-        if len(blocks) == 1:
-            return tuple(group)
-        pos = [sorted(r % t for r in group if r // t == b) for b in sorted(blocks)]
-        if len(pos) != 2 or pos[0] != pos[1]:
-            return None
-        return tuple(i * t + j for i in range(self.count) for j in pos[0])
+def lift_group(rep: Replicas, group: tuple[int, ...]) -> tuple[int, ...] | None:
+    """A group of the two-replica world, in the full world (None: not liftable)."""
+    t = rep.size
+    blocks = {r // t for r in group}
+    if len(blocks) == 1:
+        return tuple(group)
+    pos = [sorted(r % t for r in group if r // t == b) for b in sorted(blocks)]
+    if len(pos) != 2 or pos[0] != pos[1]:
+        return None
+    return tuple(i * t + j for i in range(rep.count) for j in pos[0])
 
 
 def find_replicas(plan: Plan, nodes: list[str]) -> Replicas | None:
@@ -111,7 +107,7 @@ def lift_programs(programs: list[Program], rep: Replicas) -> list[Program] | Non
 
     def lift(g: tuple[int, ...]) -> tuple[int, ...]:
         if g not in cache:
-            cache[g] = rep.lift(tuple(g))
+            cache[g] = lift_group(rep, tuple(g))
         if cache[g] is None:
             raise _NotLiftable
         return cache[g]  # type: ignore[return-value]
@@ -151,4 +147,21 @@ class _NotLiftable(Exception):
     pass
 
 
-__all__ = ["Replicas", "find_replicas", "lift_programs", "reduce_plan"]
+SYMMETRY_RANKS = 16
+"""Plans on this many ranks are simulated one data-parallel replica for all (when symmetric)."""
+
+
+def lower_programs(graph: Graph, plan: Plan, symmetry: bool | None):
+    """Programs to simulate, and the replica symmetry used (None: every rank lowered).
+    ``symmetry`` None: one replica for all when there are more than two on
+    ``SYMMETRY_RANKS`` ranks or more; True: whenever the plan has them; False: never."""
+    rep = find_replicas(plan, [n.name for n in graph.nodes]) if symmetry is not False else None
+    if rep is not None and (symmetry or (rep.count > 2 and plan.world_size >= SYMMETRY_RANKS)):
+        # ``lower`` validates the reduced plan; the full one has its shape (find_replicas).
+        lifted = lift_programs(lower(graph, reduce_plan(plan, rep)), rep)
+        if lifted is not None:
+            return lifted, rep
+    return lower(graph, plan), None
+
+
+__all__ = ["SYMMETRY_RANKS", "Replicas", "find_replicas", "lift_group", "lower_programs", "lift_programs", "reduce_plan"]

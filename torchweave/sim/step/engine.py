@@ -1,7 +1,8 @@
 """The event engine: per-rank task lists on two streams, with collectives that meet.
 
-Each rank runs its :class:`Task` list in order. A task waits for named values
-(``ready`` times on its rank) and for its stream:
+Each rank runs its :class:`Task` list in order. A task waits for ready names
+(values and signals, :mod:`~torchweave.sim.step.signals`; ``ready`` times on its
+rank) and for its stream:
 
 - ``COMPUTE``: runs on the compute stream after the previous compute task;
 - ``COMM``: runs on the communication stream, in FIFO order. A collective
@@ -25,41 +26,37 @@ from collections import deque
 from dataclasses import dataclass
 
 from torchweave.errors import Problem, SimError
+from torchweave.sim.explain.result import Event
+from torchweave.sim.step.signals import Kind, Ready, Rendezvous
 
-COMPUTE, COMM, LOCAL = "compute", "comm", "local"
+COMPUTE, COMM, LOCAL = Kind.COMPUTE, Kind.COMM, Kind.LOCAL
 
 
 @dataclass(slots=True)
 class Task:
-    kind: str
+    kind: Kind
     name: str
-    waits: tuple[str, ...] = ()
-    sets: tuple[str, ...] = ()
+    waits: tuple[Ready, ...] = ()
+    sets: tuple[Ready, ...] = ()
     dur: float = 0.0
-    key: tuple | None = None
+    key: Rendezvous | None = None
     """Rendezvous key of a collective (same on every member); None: this rank alone."""
     group: tuple[int, ...] = ()
-    stage: int = -1
-    """Pipeline stage the task belongs to (-1: none, or after the pipeline; -2: a transfer
-    between stage groups); read by :mod:`torchweave.sim.pipelined`, not by the engine."""
+    stage: int | None = None
+    """Pipeline stage the task belongs to (None: no stage, or after the pipeline); read by
+    :mod:`torchweave.sim.step.pipelined`, not by the engine."""
+    crossing: bool = False
+    """A transfer between stage groups (of no stage: the schedule costs it)."""
     nbytes: int = 0
     """A gradient sum or parameter gather after the backward: the bytes it moves (read by
-    :mod:`torchweave.sim.stagefold` to cost it at another size), not by the engine."""
-    block: int = -1
-    """Which of the model's repeated blocks the task belongs to (-1: none, or not
-    asked); read by :mod:`torchweave.sim.folded`, not by the engine."""
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One interval of a timeline."""
-
-    rank: int
-    stream: str
-    """``compute`` or ``comm``."""
-    name: str
-    start: float
-    end: float
+    :mod:`torchweave.sim.fast.stagefold` to cost it at another size), not by the engine.
+    A :data:`~Kind.REACH` marker: the gradient's local bytes."""
+    block: int | None = None
+    """Which of the model's repeated blocks the task belongs to (None: none, or not
+    asked); read by :mod:`torchweave.sim.fast.folded`, not by the engine."""
+    closes: bool | None = None
+    """A :data:`~Kind.REACH` marker of a ZeRO-3 unit's parameter: whether it completes the
+    unit (its gradients then sum together); None: not in a unit."""
 
 
 @dataclass
@@ -79,11 +76,11 @@ def run(tasks: dict[int, list[Task]], *, record: bool = True,
     ranks = sorted(tasks)
     pc = {r: 0 for r in ranks}
     free = {r: {COMPUTE: 0.0, COMM: 0.0} for r in ranks}
-    ready: dict[int, dict[str, float]] = {r: {} for r in ranks}
+    ready: dict[int, dict[Ready, float]] = {r: {} for r in ranks}
     out = {r: RankRun() for r in ranks}
     events: list[Event] = []
-    pending: dict[tuple, dict[int, float]] = {}
-    blocked: dict[int, tuple] = {}
+    pending: dict[Rendezvous, dict[int, float]] = {}
+    blocked: dict[int, Rendezvous] = {}
     queue = deque(ranks)
 
     def finish(r: int, task: Task, start: float, end: float) -> None:
@@ -102,7 +99,7 @@ def run(tasks: dict[int, list[Task]], *, record: bool = True,
                 run_.comm_busy += end - start
             run_.end = max(run_.end, end)
             if record and end > start:
-                events.append(Event(r, task.kind, task.name, start, end))
+                events.append(Event(r, str(task.kind), task.name, start, end))
         pc[r] += 1
 
     while queue:

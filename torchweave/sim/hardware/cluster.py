@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from torchweave.errors import Problem, SimError
-from torchweave.sim.devices import CATALOG, Device, Link, lookup
+from torchweave.sim.hardware.devices import CATALOG, Device, Link, lookup
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ device (:class:`OpProfiles`), in a JSON file the caller names (the CLI uses
 ``~/.cache/torchweave/op-profiles/<device>.json``), so a model is timed once
 per device and a plan that cuts it the same way reuses the entries.
 
-The simulator (:class:`~torchweave.sim.tasks.Builder`) takes a profiled time
+The simulator (:class:`~torchweave.sim.step.build.Builder`) takes a profiled time
 in place of the roofline for each node whose key is in the table. Timing a
 piece on ``threads`` threads while ``ranks`` processes share ``cores`` cores is
 not what each rank sees; ``scale`` (default 1) multiplies every looked-up time

@@ -27,7 +27,7 @@ import torch
 from torchweave.errors import Problem, SimError
 from torchweave.ir.graph import Graph, Node
 from torchweave.ops import OpInfo
-from torchweave.sim.devices import Device, Precision
+from torchweave.sim.hardware.devices import Device, Precision
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 A pipelined plan as the pipeline policies build it (:mod:`torchweave.policies.pipeline`)
 runs ``pp`` groups of ``dp · tp`` devices, stage ``s`` on group ``s % pp``, each
-stage a run of the model's identical blocks (:mod:`torchweave.sim.fold`), the
+stage a run of the model's identical blocks (:mod:`torchweave.sim.fast.fold`), the
 first with the prefix (embeddings) before them, the last with the suffix
 (head, loss) after them, every group split the same way inside. Three kinds of
 stage, then, and three kinds of pipeline rank: the first (it holds stage 0),
@@ -21,13 +21,13 @@ extrapolates, with no lowering of the full plan:
    in the blocks it holds: ``x(n) = x(1) + (n - 1)·(x(2) - x(1))`` per stage,
    and per rank in the blocks of all its stages;
 3. **replicas**: with ``dp > 2`` and a batch split that repeats in every
-   replica (as in :mod:`torchweave.sim.symmetry`), two replicas are lowered,
+   replica (as in :mod:`torchweave.sim.fast.symmetry`), two replicas are lowered,
    their groups lifted to the full ``dp``; every size is taken from the full
-   plan (:class:`~torchweave.sim.tasks.Builder` ``resized``).
+   plan (:class:`~torchweave.sim.step.build.Builder` ``resized``).
 
 The full plan's schedule then runs with the extrapolated
-:class:`~torchweave.sim.pipeline.StageCost` of every stage, and each rank's
-gradient sums and optimizer follow (:func:`~torchweave.sim.pipelined.finish_times`),
+:class:`~torchweave.sim.step.schedule.StageCost` of every stage, and each rank's
+gradient sums and optimizer follow (:func:`~torchweave.sim.step.pipelined.finish_times`),
 exactly as on the exact path: only the per-rank and per-stage sums come from
 the small models.
 
@@ -35,7 +35,7 @@ What is approximate: where 25 MiB gradient buckets close (a bucket that
 holds several blocks' gradients is extrapolated as if each block added its
 share to it), and temporary buffers (the largest of one bucket, two
 activations or units, which need not grow with the blocks: taken as in
-:mod:`torchweave.sim.folded`). The tests compare against lowering and
+:mod:`torchweave.sim.fast.folded`). The tests compare against lowering and
 simulating every rank at 64 GPUs for every schedule.
 
 Not this path (simulated exactly instead): interlaced pipelines (shared stages),
@@ -50,14 +50,20 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from torchweave.ir.graph import Graph
+from torchweave.lower.lower import lower
 from torchweave.plan.plan import Plan
-from torchweave.sim.backward import Buckets
-from torchweave.sim.cluster import Cluster
-from torchweave.sim.comm import Collective
-from torchweave.sim.cost import ComputeModel
-from torchweave.sim.fold import _NUMBERED
-from torchweave.sim.pipelined import RankCosts, Sums, rank_costs, run_pipeline
-from torchweave.sim.stageshape import StageShape, find_stage_shape, lift, small_models
+from torchweave.plan.validate import validate
+from torchweave.sim.explain.result import MemoryUse
+from torchweave.sim.fast.fold import _NUMBERED
+from torchweave.sim.fast.stageshape import StageShape, find_stage_shape, lift, small_models
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.hardware.comm import Collective
+from torchweave.sim.hardware.compute import ComputeModel
+from torchweave.sim.step.backward import Buckets
+from torchweave.sim.step.build import Builder
+from torchweave.sim.step.pipelined import RankCosts, Sums, rank_costs, run_pipeline
+from torchweave.sim.step.run import memory_use, pipeline_activations, pipelined_result, zero_group
+from torchweave.sim.step.signals import grad
 
 
 def _block_index(path: str, prefix: str) -> int | None:
@@ -70,7 +76,7 @@ def repacked(entries, per_block: dict[int, tuple[int, int]], stage_map: dict[int
              cap: float) -> list[tuple[tuple[int, ...], float, frozenset[int]]] | None:
     """Gradient buckets of a rank whose stages hold more blocks than the 1-block small
     model's: each block's run of gradients repeated ``per_block[block] = (copies, full
-    stage)`` times, then bucketed by the rule of :class:`~torchweave.sim.backward.Buckets`;
+    stage)`` times, then bucketed by the rule of :class:`~torchweave.sim.step.backward.Buckets`;
     the other gradients' stages mapped by ``stage_map`` (small stage → full stage).
     Returns (group, bytes, full stages) per bucket; None if a block's gradients are not one run."""
     seq, seen, i = [], set(), 0
@@ -117,10 +123,6 @@ class _Small:
 
 def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShape, k: int, *,
                     dtype, model: ComputeModel, bucket_bytes: int, profiles) -> _Small | None:
-    from torchweave.lower.lower import lower
-    from torchweave.sim.simulate import _memory, _zero_group
-    from torchweave.sim.tasks import Builder
-
     g, sized, lowered = small_models(graph, plan, shape, k)
     programs = lift(lower(g, lowered, stages=False), shape)
     if programs is None:
@@ -131,18 +133,18 @@ def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShap
     for prog in programs:
         ts, feet[prog.rank] = builder.tasks(prog)
         costs[prog.rank] = rank_costs(ts, feet[prog.rank])
-        made_in: dict[str, set[int]] = {}
+        made_in: dict = {}
         for t in ts:
-            if t.stage >= 0:
+            if t.stage is not None:
                 for sig in t.sets:
                     made_in.setdefault(sig, set()).add(t.stage)
         block = {sh.local: _block_index(sh.path, shape.blocks.prefix) for sh in prog.params}
-        grads[prog.rank] = [(p, grp, b, frozenset(made_in.get("g:" + p, ())), block.get(p))
+        grads[prog.rank] = [(p, grp, b, frozenset(made_in.get(grad(p), ())), block.get(p))
                             for p, grp, b in feet[prog.rank].grad_order]
     ranks = sorted(costs)
-    mem = _memory(sized, programs, feet, ranks, dtype, {r: 0 for r in ranks})
+    mem = memory_use(sized, programs, feet, ranks, dtype, {r: 0 for r in ranks})
     return _Small(costs, dict(zip(ranks, mem)), feet, sum(c.model_flops for c in builder.costs.values()),
-                  builder, grads, {p.rank: _zero_group(sized, p, p.rank) for p in programs})
+                  builder, grads, {p.rank: zero_group(sized, p, p.rank) for p in programs})
 
 
 def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShape, *,
@@ -150,9 +152,6 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                        bucket_bytes: int, strict: bool, timeline: bool, profiles=None):
     """One step of ``plan`` by the stage fast path (see the module docstring); None where
     the small models cannot be lifted (the caller simulates exactly)."""
-    from torchweave.plan.validate import validate
-    from torchweave.sim.simulate import MemoryUse, pipeline_activations, pipelined_result
-
     validate(plan, graph)  # the full plan: its problems are named for the model as it is
     runs = []
     for k in (1, 2):

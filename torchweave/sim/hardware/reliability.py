@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchweave.sim.cluster import Cluster
+from torchweave.sim.hardware.cluster import Cluster
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ class Device:
     assumption: 2 GB/s per 8-device node; set it in the cluster YAML)."""
     cores: int | None = None
     """A CPU device: the cores of its node, where each rank is given one. A node
-    running more ranks than that shares them: :class:`~torchweave.sim.cluster.Cluster`
+    running more ranks than that shares them: :class:`~torchweave.sim.hardware.cluster.Cluster`
     then gives each rank ``cores / ranks × shared_efficiency`` of the peak, the memory
     bandwidth and the bandwidth between ranks of the node (gloo's copies and sums run on
     those cores too), and ``shared_wait`` as its ``collective_wait``. ``None``: a device
@@ -136,7 +136,7 @@ class Device:
     shared_wait: float = 0.0
     """Ranks outnumbering the cores: seconds each collective waits for its last rank,
     which the scheduler has not yet run (ranks arrive out of step), as ``calibrate``
-    measures it (:func:`~torchweave.sim.profile.profile_sync`)."""
+    measures it (:func:`~torchweave.sim.hardware.profile.profile_sync`)."""
     collective_wait: float = 0.0
     """Seconds added to every collective of more than one rank for ranks arriving out of
     step; 0 where each rank has its own device (ranks run in step), ``shared_wait`` on

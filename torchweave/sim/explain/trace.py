@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from torchweave.errors import Problem, SimError
-from torchweave.sim.simulate import SimResult
+from torchweave.sim.explain.result import SimResult
 
 _TID = {"compute": 0, "comm": 1}
 

@@ -3,7 +3,11 @@
 :func:`simulate_schedule` runs the compute actions of a
 :data:`~torchweave.plan.schedules.Schedule` (``F``, ``B``, ``I``, ``W`` per
 stage and micro-batch, in each rank's order) with per-stage costs
-(:class:`StageCost`), as early as their inputs allow:
+(:class:`StageCost`), as early as their inputs allow. Which actions an action
+waits for is the schedule's own rule
+(:func:`torchweave.plan.schedules.check.dependencies`, which the checks and the
+timeline of ``plan/schedules`` use too); this module adds the time of what
+crosses between ranks:
 
 - ``F(s, m)`` after ``F(s-1, m)`` and the transfer of its output when stage
   ``s-1`` is on another rank;
@@ -36,6 +40,7 @@ from typing import Callable, Sequence
 
 from torchweave.errors import Problem, SimError
 from torchweave.plan.schedules import Action, Kind, Schedule
+from torchweave.plan.schedules.check import dependencies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,43 +112,28 @@ def simulate_schedule(schedule: Schedule, costs: Sequence[StageCost], *,
                                rule=f"one StageCost per stage: the schedule has {stages}",
                                fix="give a cost for every stage"))
     present = {_key(a) for acts in compute.values() for a in acts}
-    passes: dict[int, int] = {}
-    for kind, _, m, k in present:
-        if kind is Kind.R:
-            passes[m] = max(passes.get(m, 0), k + 1)
-    end: dict[tuple, float] = {}
     last = stages - 1
+    deps = dependencies(present, last)  # the schedule's own rules (plan/schedules/check.py)
+    end: dict[tuple, float] = {}
 
-    def grad_key(s: int, m: int) -> tuple:
-        return (Kind.I if (Kind.I, s, m, 0) in present else Kind.B, s, m, 0)
-
-    def after(key: tuple, src: int, dst: int, nbytes: int) -> float | None:
-        """When ``key``'s output of stage ``src`` is on stage ``dst``'s rank."""
-        t = end.get(key)
-        apart = rank_of[src] != rank_of[dst] or rank_of[dst] is None
-        return None if t is None else t + (send(nbytes) if apart else 0.0)
+    def apart(src: int, dst: int) -> bool:
+        return rank_of[src] != rank_of[dst] or rank_of[dst] is None
 
     def ready(a: Action) -> float | None:
-        s, m, k = a.stage, a.micro, a.iteration
-        if a.kind in (Kind.F, Kind.R):
-            kind = a.kind if a.kind is Kind.R else Kind.F
-            if s > 0:
-                return after((kind, s - 1, m, k), s - 1, s, costs[s - 1].boundary)
-            back = k - 1 if a.kind is Kind.R else passes.get(m, 0) - 1
-            if back < 0:
-                return 0.0
-            return after((Kind.R, last, m, back), last, 0, costs[last].recycled)
-        if a.kind is Kind.W:
-            return end.get((Kind.I, s, m, 0))
-        t = end.get((Kind.F, s, m, 0))
-        if t is None:
-            return None
-        if s + 1 < stages:
-            g = end.get(grad_key(s + 1, m))
-            if g is None:
+        """When every input of ``a`` is on its rank: each action it depends on has ended,
+        and what crosses between ranks has been sent (a forward's input, stage 0's
+        recycled input, a backward's output gradient)."""
+        t = 0.0
+        for d in deps(a):
+            done = end.get(d)
+            if done is None:
                 return None
-            apart = rank_of[s + 1] != rank_of[s] or rank_of[s] is None
-            t = max(t, g + (send(costs[s].boundary) if apart else 0.0))
+            kind, src = d[0], d[1]
+            if kind in (Kind.F, Kind.R) and a.kind in (Kind.F, Kind.R) and apart(src, a.stage):
+                done += send(costs[src].boundary if src < a.stage else costs[src].recycled)
+            elif kind in (Kind.B, Kind.I) and src != a.stage and apart(src, a.stage):
+                done += send(costs[a.stage].boundary)
+            t = max(t, done)
         return t
 
     clock = {r: 0.0 for r in compute}

@@ -4,7 +4,7 @@ A transformer is a prefix (embeddings), ``L`` blocks that are the same ops on
 the same shapes with the same plan decisions, and a suffix (final norm, head,
 loss). The simulator lowers the model cut to 4 blocks (:func:`cut`: the suffix
 reads block ``k-1``'s outputs where it read block ``L-1``'s) and copies block
-2's tasks to make ``L`` (:mod:`torchweave.sim.folded`); the 3-block cut gives
+2's tasks to make ``L`` (:mod:`torchweave.sim.fast.folded`); the 3-block cut gives
 each block's memory, which is affine in the block count
 (:func:`extrapolate`). Not blocks 0 and 1: block 0 reads the prefix, and the
 copies need a block that reads one like itself.

@@ -1,7 +1,7 @@
 """One step of a pipelined plan: per-stage costs from the Programs, then the schedule.
 
 A pipelined plan (``Plan.pipeline``) lowers to Programs for the whole batch,
-each instruction belonging to a stage (:class:`~torchweave.sim.tasks.Builder`
+each instruction belonging to a stage (:class:`~torchweave.sim.step.build.Builder`
 tags its tasks). Per stage, on the ranks of its group (the slowest of them):
 
 - forward and backward seconds of one micro-batch: the stage's compute and
@@ -11,7 +11,7 @@ tags its tasks). Per stage, on the ranks of its group (the slowest of them):
   their forward again in backward);
 - the bytes it receives from the previous stage per micro-batch (its input).
 
-:func:`~torchweave.sim.pipeline.simulate_schedule` runs the plan's schedule
+:func:`~torchweave.sim.step.schedule.simulate_schedule` runs the plan's schedule
 with those costs, a point-to-point transfer between stage groups for each
 boundary (and, multi-forward, from the last stage back to stage 0 after each
 no-gradient pass). Activations per rank are the schedule's peak:
@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import Kind
-from torchweave.sim.cluster import Cluster
-from torchweave.sim.comm import Collective, collective_time
-from torchweave.sim.engine import COMM, COMPUTE, LOCAL, Task
-from torchweave.sim.pipeline import PipelineStep, StageCost, simulate_schedule
-from torchweave.sim.tasks import Footprint
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.hardware.comm import Collective, collective_time
+from torchweave.sim.step.engine import COMM, COMPUTE, LOCAL, Task
+from torchweave.sim.step.schedule import PipelineStep, StageCost, simulate_schedule
+from torchweave.sim.step.signals import Meet
+from torchweave.sim.step.state import Footprint
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class RankCosts:
     """What the schedule needs of one rank's tasks, for the whole batch (seconds, bytes).
 
     The exact path reads it off every rank's tasks (:func:`rank_costs`); the
-    fast path for large pipelines (:mod:`torchweave.sim.stagefold`) extrapolates
+    fast path for large pipelines (:mod:`torchweave.sim.fast.stagefold`) extrapolates
     it from cut-down models."""
 
     fwd: dict[int, float] = field(default_factory=dict)
@@ -101,29 +102,30 @@ class RankCosts:
 
 
 def rank_costs(tasks: list[Task], foot: Footprint) -> RankCosts:
-    """One rank's :class:`RankCosts` from its tasks (:mod:`torchweave.sim.tasks`)."""
+    """One rank's :class:`RankCosts` from its tasks (:mod:`torchweave.sim.step.build`)."""
     out = RankCosts(activations=dict(foot.stage_activations), boundary=dict(foot.boundary),
                     extra_activations=foot.activations - sum(foot.stage_activations.values()))
-    made_in: dict[str, set[int]] = defaultdict(set)  # gradient signal -> stages producing it
+    made_in: dict = defaultdict(set)  # gradient signal -> stages producing it
     for i, t in enumerate(tasks):
-        if t.stage >= 0:
+        if t.stage is not None:
             for g in t.sets:
                 made_in[g].add(t.stage)
             if t.kind != LOCAL:
                 side = out.fwd if i < foot.n_fwd else out.bwd
                 side[t.stage] = side.get(t.stage, 0.0) + t.dur
     for t in tasks:
-        if t.kind == COMM and t.stage >= 0:
+        if t.kind == COMM and t.stage is not None:
             out.stage_comm += t.dur
-        if t.stage != -1 or t.kind not in (COMPUTE, COMM):
+        if t.stage is not None or t.crossing or t.kind not in (COMPUTE, COMM):
             continue
-        kind = t.key[0] if t.kind == COMM and t.key else None
-        one = Sums(1, t.nbytes, t.dur, tuple(t.key[-1]) if kind in ("g", "zp") else ())
-        if kind == "g":
+        meet = t.key.meet if t.kind == COMM and t.key else None
+        one = Sums(1, t.nbytes, t.dur,
+                   tuple(t.key.group) if meet in (Meet.GRAD_SUM, Meet.PARAM_GATHER) else ())
+        if meet is Meet.GRAD_SUM:
             stages = frozenset().union(*(made_in[w] for w in t.waits)) if t.waits else frozenset()
             key = (stages, one.group)
             out.syncs[key] = out.syncs[key] + one if key in out.syncs else one
-        elif kind == "zp":
+        elif meet is Meet.PARAM_GATHER:
             g = out.gathers
             g[one.group] = g[one.group] + one if one.group in g else one
         else:

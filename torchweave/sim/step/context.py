@@ -1,0 +1,153 @@
+"""What every rank's step reads: the graph, the plan and the cluster, each node's cost,
+and the cost of a collective (cached). :class:`~torchweave.sim.step.build.Builder`
+is this plus the passes that make a rank's tasks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from torchweave.ir.graph import Graph
+from torchweave.lower import steps
+from torchweave.lower.pieces import tensor_box
+from torchweave.lower.program import Comm, Compute
+from torchweave.ops import info
+from torchweave.plan.plan import Plan
+from torchweave.sim.hardware.cluster import Cluster
+from torchweave.sim.hardware.comm import Collective, collective_time
+from torchweave.sim.hardware.compute import ComputeModel, dtype_of, op_time
+from torchweave.sim.hardware.profile import OpProfiles, first_piece, op_key, sync_key
+from torchweave.sim.step.saved import Saves, saves
+from torchweave.sim.step.state import NodeCost
+
+
+@dataclass
+class StepContext:
+    graph: Graph
+    plan: Plan
+    cluster: Cluster
+    dtype: torch.dtype | None
+    model: ComputeModel
+    bucket_bytes: int
+    profiles: OpProfiles | None = None
+    """Measured op times (``sim/hardware/profile.py``), used in place of the roofline where present."""
+    meet: frozenset[int] | None = None
+    """The ranks simulated, when only one data-parallel replica is (``sim/fast/symmetry.py``):
+    a collective meets among these members of its group; None: every rank."""
+    resized: bool = False
+    """The Programs are a reduced plan's (fewer data-parallel replicas): local slices and
+    point-to-point receives are sized by ``plan``'s pieces instead (``meet`` implies it)."""
+    block_of: dict[str, int] = field(default_factory=dict)
+    """Node → the repeated block it is in (``sim/fast/fold.py``), for :mod:`torchweave.sim.fast.folded`;
+    tasks carry it (``Task.block``)."""
+    costs: dict[str, NodeCost] = field(default_factory=dict)
+    saves: dict[str, Saves] = field(default_factory=dict)
+    _comm_cache: dict = field(default_factory=dict)
+    _first: dict[str, tuple] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.paths = {path: v.name for v in self.graph.values.values()
+                      if v.kind in ("param", "buffer") for path in (v.target, *v.aliases)}
+        """Parameter or buffer path → its graph value."""
+        self.nodes = {node.name: node for node in self.graph.nodes}
+        pipe = self.plan.pipeline
+        self.stage_of: dict[str, int] = dict(pipe.stage_of) if pipe is not None else {}
+        self.group_of = {n: k for k, grp in enumerate(self.plan.recompute) for n in grp}
+        """Node → its recompute group's index (``Plan.recompute``)."""
+        for node in self.graph.nodes:
+            self.costs[node.name] = self._node_cost(node)
+            self.saves[node.name] = saves(self.graph, node)
+
+    # ---------------------------------------------------------------- sizes
+    def itemsize(self, value: str) -> int:
+        dt = self.graph.values[value].meta.dtype
+        if self.dtype is not None and dt.is_floating_point:
+            return self.dtype.itemsize
+        return dt.itemsize
+
+    def _node_cost(self, node) -> NodeCost:
+        op = info(self.graph, node)
+        dt = dtype_of(self.graph, node)
+        if self.dtype is not None and dt.is_floating_point:
+            op = replace(op, bytes=int(op.bytes * self.dtype.itemsize / dt.itemsize))
+            dt = self.dtype
+        t = op_time(op, self.cluster.device, dtype=dt, model=self.model)
+        frac = 1.0 / math.prod(tr.parts for tr in self.plan.transforms(node.name) if tr.dim)
+        specs = op.bound.annotation.outputs
+        piece = first_piece(self.plan, node.name)
+        self._first[node.name] = (op.bound, piece)
+        out = []
+        for i, name in enumerate(node.outputs):
+            meta = self.graph.values[name].meta
+            if piece is not None and i < len(specs):
+                numel = math.prod(b - a for a, b in tensor_box(op.bound, specs[i], meta.shape, piece))
+            else:
+                numel = meta.numel
+            out.append(numel * self.itemsize(name))
+        grad = any(self.graph.values[o].meta.dtype.is_floating_point for o in node.outputs)
+        fwd, bwd = t.fwd * frac, t.bwd * frac
+        if self.profiles is not None:
+            hit = self.profiles.lookup(op_key(self.graph, node, piece, self.dtype) or "")
+            if hit is not None:
+                fwd, bwd = hit
+        if node.name in self.group_of:
+            bwd += fwd  # its forward runs again before its backward
+        return NodeCost(fwd, bwd if grad else 0.0, tuple(out), grad, op.flops + op.bwd_flops)
+
+    def need_bytes(self, consumer: str, value: str, default: float) -> float:
+        """Bytes of ``value`` that ``consumer``'s first piece reads, under the full plan."""
+        bound, piece = self._first.get(consumer, (None, None))
+        if piece is None:
+            return default
+        node = self.nodes[consumer]
+        for ref, spec in zip(node.input_refs(), bound.annotation.inputs):
+            if ref.name == value:
+                shape = self.graph.values[value].meta.shape
+                return math.prod(b - a for a, b in tensor_box(bound, spec, shape, piece)) * self.itemsize(value)
+        return default
+
+    # ---------------------------------------------------------------- communication
+    def comm(self, collective: Collective, nbytes: float, group: tuple[int, ...]) -> float:
+        key = (collective, int(nbytes), group)
+        if key not in self._comm_cache:
+            t = collective_time(self.cluster, collective, int(nbytes), group).seconds
+            if self.profiles is not None and len(group) > 1:  # ranks arriving out of step
+                t += (self.profiles.lookup(sync_key(len(group))) or (0.0,))[0]
+            self._comm_cache[key] = t
+        return self._comm_cache[key]
+
+    def meet_of(self, grp: tuple[int, ...]) -> tuple[int, ...]:
+        """The members of ``grp`` a collective waits for in the engine."""
+        return grp if self.meet is None else tuple(m for m in grp if m in self.meet)
+
+    def p2p(self, transfers, r: int, value: str) -> float:
+        t = 0.0
+        for tr in transfers:
+            if r in (tr.src, tr.dst) and tr.src != tr.dst:
+                n = math.prod(hi - lo for lo, hi in tr.src_box) * self.itemsize(value)
+                t += self.comm(Collective.P2P, n, (tr.src, tr.dst))
+        return t
+
+    # ---------------------------------------------------------------- where a task belongs
+    def stage(self, ins) -> tuple[int | None, bool]:
+        """Pipelined plans: the stage an instruction belongs to (None: no stage), and
+        whether it is a transfer between stage groups (then of no stage)."""
+        if not self.stage_of or not isinstance(ins, (Compute, Comm)):
+            return None, False
+        stage = self.stage_of.get(ins.node if isinstance(ins, Compute) else ins.consumer)
+        if stage is not None and isinstance(ins, Comm) and isinstance(ins.step, steps.P2P):
+            pipe = self.plan.pipeline
+            if not steps.devices_of(ins.step) <= set(pipe.devices_of_stage(stage)):
+                return None, True
+        return stage, False
+
+    def block(self, ins) -> int | None:
+        """The repeated block an instruction belongs to (None: none, or not asked)."""
+        if not self.block_of or not isinstance(ins, (Compute, Comm)):
+            return None
+        return self.block_of.get(ins.node if isinstance(ins, Compute) else ins.consumer)
+
+
+__all__ = ["StepContext"]

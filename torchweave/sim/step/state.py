@@ -1,0 +1,108 @@
+"""The state one rank's step shares between its parts: what forward learned, for backward
+and the gradient sums (:mod:`~torchweave.sim.step.build`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchweave.lower.program import Compute, LocalRef, Program
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    fwd: float
+    bwd: float
+    out_bytes: tuple[int, ...]
+    """Local bytes of each output on a rank that runs a piece."""
+    grad: bool
+    """Whether any output is floating (carries a gradient)."""
+    model_flops: float
+    """Forward and backward FLOPs of the whole node."""
+
+
+@dataclass
+class Footprint:
+    """What one rank's step allocates, besides the model state (bytes)."""
+
+    params: int = 0
+    """Parameter elements held."""
+    stage_activations: dict[int, int] = field(default_factory=dict)
+    """Pipelined plans: activation bytes by stage (for the whole batch)."""
+    boundary: dict[int, float] = field(default_factory=dict)
+    """Pipelined plans: bytes received into each stage from other stage groups."""
+    n_fwd: int = 0
+    """How many of the rank's tasks are forward (the rest: backward, sync, optimizer)."""
+    gathered: list[int] = field(default_factory=list)
+    """ZeRO-3: units in the order forward gathers them."""
+    buffers: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    """The largest of what ``held`` counts and the gradient buckets."""
+    held: int = 0
+    """Forward's temporaries: twice the largest activation (one micro-batch's, in a
+    pipeline), two ZeRO-3 units."""
+    bucket: int = 0
+    """The largest gradient bucket."""
+    grad_order: list[tuple[str, tuple[int, ...], float]] = field(default_factory=list)
+    """(parameter, group, bytes) in the order backward reaches each gradient sum."""
+
+
+@dataclass
+class RankForward:
+    """What one rank's forward pass leaves for its backward."""
+
+    prog: Program
+    foot: Footprint
+    params: dict
+    """Local name → ``ParamSlot`` of the parameters that take a gradient."""
+    nbytes: dict[str, float] = field(default_factory=dict)
+    """Local bytes of every value the rank holds."""
+    first_reader: dict[str, int] = field(default_factory=dict)
+    """Parameter → the instruction that reads it first (its gradient is complete after
+    that instruction's backward)."""
+    refs_of: dict[int, list[str]] = field(default_factory=dict)
+    """Compute instruction → the local values it reads."""
+    unit_of: dict[str, int] = field(default_factory=dict)
+    """ZeRO-3: owned parameter → its unit (:mod:`torchweave.lower.units`)."""
+    members: dict[int, list[str]] = field(default_factory=dict)
+    """ZeRO-3: unit → its parameters."""
+
+
+@dataclass
+class SyncInputs:
+    """What :func:`~torchweave.sim.step.backward.place_syncs` needs of one rank besides its tasks."""
+
+    params: dict
+    """Local name → ``ParamSlot`` of the parameters that take a gradient."""
+    nbytes: dict[str, float]
+    """Local bytes of each of them."""
+
+
+def mine(groups, rank: int) -> tuple[int, ...]:
+    """The group of ``groups`` that holds ``rank`` (alone if none does)."""
+    for grp in groups:
+        if rank in grp:
+            return tuple(grp)
+    return (rank,)
+
+
+def refs(ins: Compute) -> list[str]:
+    """The local values a compute instruction reads, in argument order."""
+    out: list[str] = []
+
+    def walk(x) -> None:
+        if isinstance(x, LocalRef):
+            out.append(x.name)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(ins.args)
+    walk(ins.kwargs)
+    return out
+
+
+__all__ = ["Footprint", "NodeCost", "RankForward", "SyncInputs", "mine", "refs"]
