@@ -114,7 +114,7 @@ def explain_plan(setup: Setup) -> Explained:
 def _folded_values(setup: Setup, result) -> dict[str, str]:
     """When the simulation folded the model's blocks (sim/fast/fold.py): each value made in
     a block past the 4th → the same value of block 3, the last one simulated."""
-    if not any("identical" in n for n in result.notes):
+    if not result.folded_blocks:
         return {}
     from torchweave.sim.fast.fold import find_blocks, made_in
 

@@ -75,9 +75,8 @@ def run_search(args: argparse.Namespace, console: Console, graph, cluster, world
         console.print("left out: " + "; ".join(result.excluded[:4])
                       + (f" (+{len(result.excluded) - 4} more)" if len(result.excluded) > 4 else ""),
                       highlight=False, markup=False)
-    for note in result.notes:
-        if f"tp={result.best.point.tp} " in note and result.best.point.split == "solved":
-            console.print(note, highlight=False, markup=False)
+    if result.best.point.split == "solved" and result.best.point.tp in result.solved:
+        console.print(result.solved[result.best.point.tp], highlight=False, markup=False)
     console.print(f"{result.best.spec}: {reliability(result.best.result, cluster)}",
                   highlight=False, markup=False)
     if args.out:

@@ -104,6 +104,9 @@ class SearchResult:
     reference: Ranked | None = None
     """The best simulated plan of the ``megatron`` preset (None: none was simulated)."""
     notes: list[str] = field(default_factory=list)
+    solved: dict[int, str] = field(default_factory=dict)
+    """Tensor-parallel degree → how the solver's split for it differs from Megatron's rules
+    (also among ``notes``)."""
 
     @property
     def best(self) -> Ranked:
@@ -161,12 +164,13 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     over: list[tuple[str, float]] = []
     parts: dict[int, Partition | None] = {}
     notes: list[str] = []
+    solved: dict[int, str] = {}
     n_workers = workers if workers is not None else (env_workers() or 1)
     with Runner(n_workers, graph=graph, blocks=blocks, cluster=cluster, dtype=dtype,
                 precision=precision, world=world, constraints=c) as runner:
         def solve_tp(tp: int) -> Partition | None:
             say(f"solve each op's split for tp={tp}")
-            parts[tp] = _solve(graph, cluster, tp, world, c, dtype, excluded, notes)
+            parts[tp] = _solve(graph, cluster, tp, world, c, dtype, excluded, solved)
             return parts[tp]
 
         if blocks is None or exhaustive:  # every point simulated: every degree's split needed
@@ -230,7 +234,8 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     reference = next((r for r in ranked if _in(mega, r.point)), None)
     over.sort(key=lambda x: (x[1], x[0]))
     return SearchResult(ranked[:max(top, 1)] if top else ranked, len(pts), excluded, over[:5], c,
-                        cluster, time.perf_counter() - t0, reference, notes)
+                        cluster, time.perf_counter() - t0, reference,
+                        notes + [solved[tp] for tp in sorted(solved)], solved)
 
 
 def _simulate_all(runner: Runner, pts: list[Point], parts: dict[int, Partition | None],
@@ -306,9 +311,9 @@ def _simulate_job(s: dict, pt: Point, dims: dict | None) -> tuple[Plan, SimResul
 
 
 def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, c: Constraints, dtype,
-           excluded: list[str], notes: list[str]) -> Partition | None:
+           excluded: list[str], solved: dict[int, str]) -> Partition | None:
     """The solver's partition for ``tp``; None (and why, in ``excluded``) where it is
-    Megatron's own or the constraints leave none. ``notes`` gets how it differs from
+    Megatron's own or the constraints leave none. ``solved[tp]`` gets how it differs from
     Megatron's."""
     try:
         part = solve(graph, cluster, tp=tp, world=world, dtype=dtype, rules=c.ops, ties=c.ties)
@@ -332,9 +337,9 @@ def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, c: Constraints, 
                         f"sequence parallelism (split=sequence, a point of its own)")
         return None
     diff = describe(graph, part.dims, rule)
-    notes.append(f"split=solved, tp={tp} ({part.status}, {part.variables} variables, "
-                 f"{part.seconds:.2f} s) splits, unlike Megatron's rules: " + "; ".join(diff[:8])
-                 + (f" (+{len(diff) - 8} more)" if len(diff) > 8 else ""))
+    solved[tp] = (f"split=solved, tp={tp} ({part.status}, {part.variables} variables, "
+                f"{part.seconds:.2f} s) splits, unlike Megatron's rules: " + "; ".join(diff[:8])
+                + (f" (+{len(diff) - 8} more)" if len(diff) > 8 else ""))
     return part
 
 
