@@ -193,6 +193,9 @@ def _add_sim_commands(sub) -> None:
                      help="compute dtype (bf16: mixed precision; default: the model's)")
     sim.add_argument("--trace", metavar="OUT_JSON", help="write the timeline as Chrome trace JSON")
     sim.add_argument("--gantt", metavar="OUT_PNG", help="write a Gantt chart (needs matplotlib)")
+    sim.add_argument("--json", metavar="OUT_JSON",
+                     help="write each plan's numbers as JSON (a list: plan string, step time, "
+                     "memory per rank, MFU, tokens/s, ...)")
     sim.add_argument("--profile", action="store_true",
                      help="time the plan's ops on this machine (cached in ~/.cache/torchweave) and "
                      "use them instead of the roofline")

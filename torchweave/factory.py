@@ -50,6 +50,11 @@ def resolve(spec: str) -> Callable[[], Any]:
     if path.endswith(".py") or os.sep in path:
         if not os.path.exists(path):
             raise TorchweaveError(Problem(obj="model", value=path, rule="the file exists"))
+        # As ``python file.py`` would: the file's folder is importable, so a model file
+        # may import the modules beside it.
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         modname = f"torchweave_user_model_{abs(hash(os.path.abspath(path)))}"
         mspec = importlib.util.spec_from_file_location(modname, path)
         assert mspec and mspec.loader

@@ -48,6 +48,22 @@ def test_inspect_user_file_factory(tmp_path) -> None:
     assert [r["op"] for r in data["ops"]].count("linear") == 2
 
 
+def test_a_model_file_imports_the_modules_beside_it(tmp_path) -> None:
+    """As ``python mine.py`` would, from any working directory."""
+    (tmp_path / "layers.py").write_text("import torch.nn as nn\nWIDTH = 12\n"
+                                       "def block():\n    return nn.Linear(WIDTH, WIDTH)\n")
+    src = tmp_path / "mine.py"
+    src.write_text(textwrap.dedent("""
+        import torch
+        from layers import WIDTH, block
+        def factory():
+            return block(), (torch.randn(2, WIDTH),)
+    """))
+    out = run("inspect", f"{src}:factory", "--json", str(tmp_path / "t.json"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["params"] == 12 * 12 + 12
+
+
 def test_bad_model_spec_is_a_clear_error(capsys) -> None:
     assert main(["inspect", "no-such-model"]) == 2
     out = capsys.readouterr().out

@@ -157,8 +157,44 @@ def test_simulate_profile_times_ops_here_and_caches_them(tmp_path, monkeypatch, 
     assert main(["simulate", "gpt-tiny", "--cluster", "2xCPU-2core", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "profiled" in out and "step time" in out and (tmp_path / "ops.json").is_file()
+    # two ranks of this machine: timed by two processes at once, as training shares the cores
+    assert "on 2 ranks at once" in out
+    cache = json.loads((tmp_path / "ops.json").read_text())["devices"]
+    (device, table), = cache.items()
+    assert device.endswith("x2 ranks") and "sync|2" in table and len(table) > 10
     assert main(["simulate", "gpt-tiny", "--cluster", "2xCPU-2core", "--profile"]) == 0
     assert "profiled 0 op pieces" in capsys.readouterr().out  # all cached
+
+
+def test_a_measured_collective_wait_replaces_the_modelled_one() -> None:
+    """Profiles that timed what a collective costs after compute (``sync|N``) stand in for
+    the device's modelled wait; they do not add to it."""
+    from torchweave.models import FACTORIES
+    from torchweave.policies import resolve
+    from torchweave.sim import parse_cluster
+    from torchweave.sim.hardware.comm import Collective
+    from torchweave.sim.hardware.compute import ComputeModel
+    from torchweave.sim.hardware.profile import OpProfiles, sync_key
+    from torchweave.sim.step.context import StepContext
+
+    import torchweave
+
+    model, args = FACTORIES["gpt-tiny"]()
+    g = torchweave.capture(model, args)
+    cluster = parse_cluster("4xCPU-2core@4")  # 4 ranks on 2 cores: a modelled wait
+    wait = cluster.device.collective_wait
+    assert wait > 0
+
+    def ctx(profiles):
+        return StepContext(g, resolve("dp", g, 4), cluster, None,
+                           ComputeModel.for_device(cluster.device), 2**20, profiles=profiles)
+
+    group = (0, 1, 2, 3)
+    modelled = ctx(None).comm(Collective.ALL_REDUCE, 2**16, group)
+    measured = ctx(OpProfiles("here", {sync_key(4): (1e-3, 0.0)})).comm(Collective.ALL_REDUCE, 2**16, group)
+    assert measured == pytest.approx(modelled - wait + 1e-3)
+    other = ctx(OpProfiles("here", {sync_key(2): (1e-3, 0.0)})).comm(Collective.ALL_REDUCE, 2**16, group)
+    assert other == pytest.approx(modelled)  # a wait measured for 2 ranks says nothing of 4
 
 
 def test_explain_folded_model_gives_every_block_its_communication() -> None:
@@ -291,3 +327,26 @@ def test_a_timeline_is_for_one_plan(tmp_path, capsys) -> None:
     assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp",
                  "--plan", "tp", "--trace", str(tmp_path / "t.json")]) == 2
     assert "a timeline is written for one plan" in capsys.readouterr().out
+
+
+def test_simulate_writes_each_plans_numbers_as_json(tmp_path, capsys) -> None:
+    """``--json``: one object per plan, the same numbers the summary prints, as data."""
+    from torchweave.policies import resolve
+    from torchweave.sim import parse_cluster, simulate
+    from torchweave.factory import load
+
+    out = tmp_path / "r.json"
+    assert main(["simulate", "gpt-tiny", "--cluster", "4xA100-80GB-SXM", "--plan", "tp",
+                 "--plan", "zero2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [d["spec"] for d in data] == ["tp", "zero2"]
+    m = load("gpt-tiny")
+    import torchweave
+
+    g = torchweave.capture(m.model, m.args, m.kwargs) if m.kwargs else torchweave.capture(m.model, m.args)
+    direct = simulate(g, resolve("tp", g, 4), parse_cluster("4xA100-80GB-SXM"), timeline=False)
+    tp = data[0]
+    assert tp["step_time_s"] == pytest.approx(direct.step_time)
+    assert [x["peak"] for x in tp["memory_bytes"]] == list(direct.peak_memory)
+    assert tp["world_size"] == 4 and len(tp["compute_s"]) == 4 and tp["simulated_in_s"] > 0
+    assert f"step time      {tp['step_time_s'] * 1e3:.4g} ms" in capsys.readouterr().out

@@ -108,24 +108,73 @@ PROFILE_CACHE = Path.home() / ".cache" / "torchweave" / "op-profiles" / "ops.jso
 
 
 def _profiles(setup: Setup, console: Console):
-    """Time the plan's op pieces here (1 thread), reusing the cache; the profiles."""
+    """Time the plan's op pieces here, reusing the cache; the profiles.
+
+    A plan without a pipeline on this machine's CPU ranks (a device whose rates were
+    measured, such as ``CPU-2core``), more than one rank on a node: as many processes as
+    a node's ranks time the ops at once, one thread each (the slowest rank's time per
+    op), and what a collective costs when ranks come to it from computing
+    (:func:`~torchweave.sim.hardware.profile.profile_sync`): every rank of such a plan
+    computes at the same time, so the timings see the cores shared as training shares
+    them. A pipeline's ranks do not (bubbles, waits for their stage's input): one
+    process times the ops, one thread, scaled by the ranks sharing each core."""
     from torchweave.sim.hardware.profile import OpProfiles, profile_graph
 
-    device = f"{setup.cluster.device.name} on this machine, 1 thread"
-    # On a cluster calibrated here, ranks beyond the cores share them (as calibrate's rates do).
-    share = max(1.0, setup.plan.world_size / (os.cpu_count() or 1))
-    profiles = OpProfiles.load(PROFILE_CACHE, device=device,
-                               scale=share if setup.cluster.device.rates == "measured" else 1.0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        n = profile_graph(setup.graph, setup.plan, profiles, dtype=setup.dtype)
-    finally:
-        torch.set_num_threads(before)
+    cluster = setup.cluster
+    ranks = min(setup.plan.world_size, cluster.devices_per_node)
+    here = cluster.device.rates == "measured"
+    if here and ranks > 1 and setup.plan.pipeline is None:
+        device = f"{cluster.device.name} on this machine, 1 thread x{ranks} ranks"
+        profiles = OpProfiles.load(PROFILE_CACHE, device=device)
+        n = _profile_together(setup, profiles, ranks)
+        how = f"on {ranks} ranks at once"
+    else:
+        device = f"{cluster.device.name} on this machine, 1 thread"
+        # On a cluster calibrated here, ranks beyond the cores share them (as calibrate's rates do).
+        share = max(1.0, setup.plan.world_size / (os.cpu_count() or 1))
+        profiles = OpProfiles.load(PROFILE_CACHE, device=device, scale=share if here else 1.0)
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            n = profile_graph(setup.graph, setup.plan, profiles, dtype=setup.dtype)
+        finally:
+            torch.set_num_threads(before)
+        how = "here"
     profiles.save(PROFILE_CACHE)
-    console.print(f"profiled {n} op pieces here ({len(profiles.table)} cached in {PROFILE_CACHE})",
+    console.print(f"profiled {n} op pieces {how} ({len(profiles.table)} cached in {PROFILE_CACHE})",
                   highlight=False, markup=False)
     return profiles
+
+
+def _profile_together(setup: Setup, profiles, ranks: int) -> int:
+    """Time what ``profiles`` lacks on ``ranks`` gloo processes at once; keep the slowest
+    rank's time of each. Returns how many entries were added."""
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    cfg = LaunchConfig(world_size=ranks, backend="gloo", timeout_s=600.0, threads_per_rank=1)
+    per_rank = spawn(_time_on_rank, cfg, setup.graph, setup.plan, setup.dtype, dict(profiles.table),
+                     profiles.device)
+    added = set().union(*per_rank)
+    for key in added:
+        got = [r[key] for r in per_rank if key in r]
+        profiles.table[key] = tuple(max(g[i] for g in got) for i in range(len(got[0])))
+    return len(added)
+
+
+def _time_on_rank(ctx, graph, plan, dtype, table: dict, device: str) -> dict:
+    """One rank of :func:`_profile_together`: the entries it timed."""
+    import torch.distributed as dist
+
+    from torchweave.sim.hardware.profile import OpProfiles, profile_graph, profile_sync, sync_key
+
+    mine = OpProfiles(device)
+    mine.table = dict(table)
+    dist.barrier()
+    profile_graph(graph, plan, mine, dtype=dtype)
+    dist.barrier()
+    if sync_key(ctx.world_size) not in mine.table:
+        profile_sync(mine, ranks=ctx.world_size, all_reduce=dist.all_reduce)
+    return {k: v for k, v in mine.table.items() if k not in table}
 
 
 def _ms(seconds: float) -> str:
@@ -171,6 +220,13 @@ def simulate_cmd(args: argparse.Namespace, console: Console) -> int:
         rows.append((spec, result, time.perf_counter() - start))
     if len(rows) > 1:
         _ranking(rows, cluster, console)
+    if getattr(args, "json", None):
+        import json
+
+        data = [{"spec": spec, **r.to_dict(), "simulated_in_s": secs} for spec, r, secs in rows]
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+        console.print(f"wrote {args.json}", highlight=False, markup=False)
     return code
 
 

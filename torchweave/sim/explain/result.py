@@ -117,6 +117,24 @@ class SimResult:
     def peak_memory(self) -> tuple[int, ...]:
         return tuple(m.peak for m in self.memory)
 
+    def to_dict(self) -> dict:
+        """The numbers as plain JSON data (no timeline): seconds, bytes, fractions."""
+        return {
+            "plan": self.plan_name, "cluster": self.cluster, "world_size": self.world_size,
+            "step_time_s": self.step_time, "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "model_flops": self.model_flops,
+            "usd_per_million_tokens": self.usd_per_million_tokens,
+            "bubble": self.bubble, "pipeline": self.pipeline_bubble is not None,
+            "compute_s": list(self.compute_time), "comm_s": list(self.comm_time),
+            "memory_bytes": [{"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                              "buffers": m.buffers, "activations": m.activations,
+                              "temporaries": m.temporaries, "peak": m.peak} for m in self.memory],
+            "out_of_memory_ranks": [o.rank for o in self.oom],
+            "replicas": None if self.replicas is None else {"count": self.replicas.count,
+                                                             "size": self.replicas.size},
+            "folded_blocks": self.folded_blocks, "notes": list(self.notes),
+        }
+
     def summary(self) -> str:
         n = len(self.compute_time)
         lines = [
@@ -135,4 +153,4 @@ class SimResult:
         return "\n".join(lines)
 
 
-__all__ = ["MemoryUse", "OutOfMemory", "SimResult"]
+__all__ = ["Event", "MemoryUse", "OutOfMemory", "Replicas", "SimResult"]

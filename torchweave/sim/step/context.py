@@ -113,8 +113,10 @@ class StepContext:
         key = (collective, int(nbytes), group)
         if key not in self._comm_cache:
             t = collective_time(self.cluster, collective, int(nbytes), group).seconds
-            if self.profiles is not None and len(group) > 1:  # ranks arriving out of step
-                t += (self.profiles.lookup(sync_key(len(group))) or (0.0,))[0]
+            if self.profiles is not None and len(group) > 1:  # ranks arriving out of step:
+                hit = self.profiles.lookup(sync_key(len(group)))  # measured, in place of the model
+                if hit is not None:
+                    t += hit[0] - self.cluster.device.collective_wait
             self._comm_cache[key] = t
         return self._comm_cache[key]
 
