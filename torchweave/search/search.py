@@ -50,7 +50,7 @@ from torchweave.search.select import ROUNDS, corrected, families
 from torchweave.search.space import Point, points
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.fast.fold import find_blocks
-from torchweave.sim.simulate import SimResult, simulate
+from torchweave.sim.simulate import SimResult, simulate, without_cyclic_gc
 
 GiB = 2**30
 CHEAP = 20_000
@@ -131,6 +131,7 @@ class SearchResult:
         return out
 
 
+@without_cyclic_gc
 def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None = None, *,
            world_size: int | None = None, top: int = 5, simulate_top: int | None = None,
            dtype: torch.dtype | None = None, workers: int | None = None,

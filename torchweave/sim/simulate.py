@@ -46,7 +46,7 @@ FOLD_NODES = 500
 """Graphs this big are simulated by folding their repeated blocks (when they have them)."""
 
 
-def _without_cyclic_gc(fn):
+def without_cyclic_gc(fn):
     """Run ``fn`` with Python's cyclic garbage collector paused: a simulation makes
     millions of small tuples and no cycles, and full collections in the middle of it
     cost as much as the simulation (seen as every other call taking twice as long)."""
@@ -62,7 +62,7 @@ def _without_cyclic_gc(fn):
     return run
 
 
-@_without_cyclic_gc
+@without_cyclic_gc
 def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Program] | None = None,
              dtype: torch.dtype | None = None, tokens_per_step: int | None = None,
              model: ComputeModel | None = None, bucket_bytes: int = BUCKET_BYTES,
@@ -148,4 +148,4 @@ def simulate(graph: Graph, plan: Plan, cluster: Cluster, *, programs: list[Progr
                     flops=sum(c.model_flops for c in builder.costs.values()))
 
 
-__all__ = ["FOLD_NODES", "MemoryUse", "OutOfMemory", "SYMMETRY_RANKS", "SimResult", "simulate"]
+__all__ = ["FOLD_NODES", "without_cyclic_gc", "MemoryUse", "OutOfMemory", "SYMMETRY_RANKS", "SimResult", "simulate"]
