@@ -6,17 +6,11 @@ builds each rank's forward, backward, gradient-sync and optimizer tasks
 and communication (:mod:`torchweave.sim.step.engine`). Collectives start when every
 member of their group has reached them.
 
-Memory per rank: parameters, gradients and AdamW state (per ZeRO stage, from
-:func:`~torchweave.sim.hardware.memory.model_state_memory`), buffers, the activations
-saved for backward (the distinct storages that some op's backward needs, by
-the rule of :mod:`torchweave.sim.step.saved`; parameters excluded; recompute groups
-keep only their inputs) and temporary buffers (the largest of: a gradient
-bucket, twice the largest single activation, two ZeRO-3 units, the full local
-gradients that ZeRO-1/2 shard after backward). ZeRO-1/2 as the runtime runs
-them also hold an fp32 master copy of each member's parameter shard. Pipelined
-plans hold each stage's activations per micro-batch in flight
-(:mod:`torchweave.sim.step.pipelined`). A rank over its device's memory is out of
-memory.
+Large plans take a fast path (:mod:`torchweave.sim.fast`) where one applies:
+one data-parallel replica for all, repeated blocks folded, or a pipeline's
+stages of identical blocks simulated once. Time, memory per rank (see
+:mod:`torchweave.sim.step.run`), FLOPs and price come back as a
+:class:`~torchweave.sim.explain.result.SimResult`.
 """
 
 from __future__ import annotations
