@@ -1,0 +1,234 @@
+"""``verify``: run a plan on N local processes beside a single-device run; compare.
+
+Both runs start from the same weights and see the same batch every step. The
+report holds the largest relative difference in the loss of every step, in
+every gradient after the first backward (gathered from its pieces), and in
+every parameter after the last optimizer step. A multi-forward plan is
+compared with the one-device recycling loop (:func:`recycled_forward`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from torchweave.plan.show import replication_note
+from torchweave.parallel import Compiled, compile_plan, rank_module
+from torchweave.policies import PlanLike
+from torchweave.runtime.executor import OptimizerFactory, StepConfig, default_optimizer
+from torchweave.runtime.launch import LaunchConfig, RankContext, spawn
+from torchweave.verify.reference import _reference, clip_exact, recycled_forward
+from torchweave.verify.report import BF16_NOISE_FACTOR, BF16_TOLERANCE, Report, _rel_tensor
+
+
+def _rank_run(ctx: RankContext, jobs: list[tuple]) -> list[dict[str, Any]]:
+    """Run every job on this rank, reusing the process group and its subgroups."""
+    out = []
+    for compiled, inputs, steps, optimizer, config in jobs:
+        try:
+            out.append(_rank_job(ctx, compiled, inputs, steps, optimizer, config))
+        except Exception as exc:  # noqa: BLE001 - reported per job; other jobs go on
+            if ctx.world_size > 1:
+                # the other ranks may be waiting on this one: stop them all, reporting this
+                # rank's error rather than a peer's time-out
+                raise
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "rank" in f.filename]
+            where = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
+            out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}{where}"})
+    return out
+
+
+def _rank_job(ctx: RankContext, compiled: Compiled, inputs: tuple, steps: int,
+              optimizer: OptimizerFactory, config: StepConfig) -> dict[str, Any]:
+    module = rank_module(compiled, ctx.groups, optimizer=optimizer, config=config)
+    losses, grads, comm = [], {}, {}
+    for step in range(steps):
+        with ctx.groups.counter.window() as window:
+            losses.append(module.backward_step(*inputs))
+        if step == 0:
+            grads = module.grad_pieces()
+            comm = {f"{k.value}/{d.value}": n for (k, d), n in window.counts().items()}
+        module.optimizer_step()
+    return {"losses": losses, "grads": _on_cpu(grads), "params": _on_cpu(module.state_pieces()),
+            "comm": comm}
+
+
+def _on_cpu(pieces: dict[str, tuple[Any, torch.Tensor | None]]) -> dict[str, tuple[Any, Any]]:
+    """Pieces moved to the CPU (a rank on a GPU returns them to a parent that compares on CPU)."""
+    return {path: (box, None if t is None else t.cpu()) for path, (box, t) in pieces.items()}
+
+
+def _assemble(pieces: list[dict[str, tuple[Any, torch.Tensor | None]]],
+              shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for rank_pieces in pieces:
+        for path, (box, t) in rank_pieces.items():
+            if t is None or path not in shapes:
+                continue
+            full = out.setdefault(path, torch.zeros(shapes[path], dtype=t.dtype))
+            full[tuple(slice(a, b) for a, b in box)] = t.to(full.dtype)
+    return out
+
+
+@dataclass
+class Case:
+    """One model, inputs and plan to verify."""
+
+    model: torch.nn.Module
+    inputs: tuple[Any, ...]
+    plan: PlanLike
+    steps: int = 3
+    optimizer: OptimizerFactory = default_optimizer
+    config: StepConfig = field(default_factory=StepConfig)
+    name: str = ""
+    reference: Literal["recipe", "fp32"] = "recipe"
+    """The one-device run of a bf16 case: ``recipe`` follows the runtime's bf16 recipe
+    (see ``_reference``); ``fp32`` trains in fp32 (the fuzzer's, whose bf16 MoE draws
+    route differently from the eager recipe: see ``BF16_TOLERANCE``)."""
+
+
+def verify(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, plan: PlanLike,
+           world_size: int, steps: int = 3, tolerance: float = 1e-5,
+           optimizer: OptimizerFactory = default_optimizer, config: StepConfig = StepConfig(),
+           launch: LaunchConfig | None = None, code_dir: str | None = None) -> Report:
+    """Run ``plan`` on ``world_size`` local processes and on one device; compare."""
+    case = Case(model, example_inputs, plan, steps, optimizer, config)
+    return verify_many([case], world_size=world_size, tolerance=tolerance, launch=launch,
+                       code_dir=code_dir)[0]
+
+
+def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
+                launch: LaunchConfig | None = None, code_dir: str | None = None) -> list[Report]:
+    """Verify several cases in one launch of ``world_size`` processes.
+
+    Every plan is compiled and checked before anything starts. On one rank, a case
+    that raises is reported as failed and the others still run; on several, a raising
+    rank stops the launch with its own error
+    (:class:`~torchweave.runtime.launch.RankFailedError`), since its peers may be
+    waiting on it.
+    """
+    compiled, graphs = [], {}  # one capture per model and shape, shared by its plans
+    for i, c in enumerate(cases):
+        sub = os.path.join(code_dir, f"case{i}") if code_dir else None
+        compiled.append(compile_plan(c.model, c.inputs, c.plan, world_size=world_size, code_dir=sub,
+                                     micro_batches=c.config.grad_accum,
+                                     precision=c.config.precision, graphs=graphs))
+    launch = launch or LaunchConfig(world_size=world_size, timeout_s=60.0)
+    return run_compiled(cases, compiled, launch=launch, tolerance=tolerance)
+
+
+def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchConfig,
+                 tolerance: float = 1e-5) -> list[Report]:
+    """Run already compiled cases in one launch and compare each with one device.
+
+    The ranks run ``compiled``'s Programs as they are: a test may edit one (drop a
+    gradient all-reduce, say) to check that the comparison catches it.
+
+    A case that raises, on a launch of several ranks, and a rank that dies or times
+    out fail the whole launch (:class:`~torchweave.runtime.launch.RankFailedError`,
+    naming the rank that failed first); on one rank a raising case is reported as failed.
+    """
+    jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config) for comp, c in zip(compiled, cases)]
+    results = spawn(_rank_run, launch, jobs)
+    return [_report(case, comp, [r[i] for r in results], launch.world_size, tolerance)
+            for i, (case, comp) in enumerate(zip(cases, compiled))]
+
+
+def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_size: int,
+            tolerance: float) -> Report:
+    """One case's report from every rank's results and a one-device run."""
+    report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance,
+                    replicated=replication_note(comp.plan, comp.graph))
+    errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
+    if errors:
+        report.error = "; ".join(errors)
+        return report
+    config = case.config
+    if comp.plan.pipeline is not None:  # one device runs the same micro-batches
+        config = dataclasses.replace(config, grad_accum=comp.plan.pipeline.micro_batches)
+    else:  # the plan's accum (compile_plan merged it with the step's grad_accum)
+        config = dataclasses.replace(config, grad_accum=comp.plan.accum)
+
+    def one_device(precision: str) -> dict[str, Any]:
+        return _reference(case.model, case.inputs, case.steps, case.optimizer,
+                          dataclasses.replace(config, precision=precision), _recycle_of(comp))
+
+    ref = one_device("fp32" if case.reference == "fp32" else config.precision)
+    truth = None
+    if config.precision == "bf16":
+        # which gradients are zero, from fp32; and how far bf16 alone moves each tensor
+        # on one device: the other of the two one-device runs against the reference
+        other = one_device("bf16" if case.reference == "fp32" else "fp32")
+        fp32 = ref if case.reference == "fp32" else other
+        truth = fp32["grads"]
+        spread = Report(report.plan, 1, case.steps, tolerance)
+        compare(spread, ref, other["grads"], other["params"], truth)
+        report.bf16_grads, report.bf16_params = spread.grads, spread.params
+    report.comm = per_rank[0]["comm"]
+    report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
+    shapes = {p.target: p.meta.shape for p in comp.graph.params()}
+    compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
+            _assemble([r["params"] for r in per_rank], shapes), truth)
+    return report
+
+
+def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
+            params: dict[str, torch.Tensor], truth: dict[str, torch.Tensor] | None = None) -> None:
+    """Fill ``report`` with norm-wise relative differences.
+
+    A parameter whose true gradient is zero (a key bias before softmax, say)
+    has a computed gradient of pure rounding noise, which AdamW divides by its
+    own square root into steps of size ``lr``: no two summation orders agree
+    on it. Such parameters (and such elements of larger ones, such as the key
+    part of a fused QKV bias) are compared through their gradients, against
+    the model's largest gradient, and left out of the after-steps comparison;
+    the report names them and counts the elements. ``truth``: the gradients that
+    tell which are zero (default ``ref``'s; a bf16 run passes the fp32 ones, since
+    bf16 rounding noise is far above the floor).
+    """
+    truth = ref["grads"] if truth is None else truth
+    scale = max((float(g.double().norm()) for g in truth.values()), default=0.0)
+    floor = max(scale * 1e-6, 1e-12)
+    top = max((float(g.abs().max()) for g in truth.values() if g.numel()), default=0.0)
+    for path, want in ref["grads"].items():
+        noise = float(truth.get(path, want).double().norm()) < floor
+        if noise:
+            report.noise.append(path)
+        denom = max(scale, 1e-12) if noise else 1e-12
+        report.grads[path] = _rel_tensor(grads[path], want, denom) if path in grads else float("inf")
+    for path, want in ref["params"].items():
+        if path in report.noise:
+            continue
+        if path not in params:
+            report.params[path] = float("inf")
+            continue
+        got = params[path]
+        g = truth.get(path)
+        if g is not None:
+            keep = g.abs() >= top * 1e-6  # elements whose own gradient is not rounding noise
+            if not bool(keep.all()):
+                report.masked[path] = int((~keep).sum())
+                got, want = got[keep], want[keep]
+        report.params[path] = _rel_tensor(got, want)
+
+
+def _recycle_of(comp: Compiled) -> tuple[int, dict[int, str]] | None:
+    """(passes, input position → module) of a multi-forward plan."""
+    from torchweave.plan.recycle import resolve_links
+
+    pipe = comp.plan.pipeline
+    if pipe is None or pipe.recycle is None:
+        return None
+    links, _ = resolve_links(comp.graph, pipe.recycle)
+    return pipe.recycle.passes, {link.index: out for link, (_, out) in zip(links, pipe.recycle.links)}
+
+
+
+
+__all__ = ["BF16_NOISE_FACTOR", "BF16_TOLERANCE", "Case", "Report", "clip_exact", "compare",
+           "recycled_forward", "run_compiled", "verify", "verify_many"]
