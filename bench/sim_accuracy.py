@@ -37,7 +37,7 @@
 4. Print predicted vs measured with relative errors and the median absolute
    error; write it to bench/results-sim-accuracy.md.
 
-Run: python bench/sim_accuracy.py [--worlds 2 4] [--plans dp zero1 ...] [--steps 5]
+Run: python bench/sim_accuracy.py [--worlds 2 4] [--plans dp zero1 ...] [--steps 5] [--readme]
 """
 
 from __future__ import annotations
@@ -279,6 +279,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     ap.add_argument("--profiles", default=os.path.expanduser("~/.cache/torchweave/op-profiles/bench-cpu.json"),
                     help="op timing cache (JSON)")
     args = ap.parse_args()
@@ -355,6 +356,15 @@ def main() -> None:
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {args.out} ({elapsed:.0f} s)")
+    if args.readme:
+        from readme_section import write_section
+
+        short = [" | ".join(r.split(" | ")[:9]) + " |" for r in rows]  # the first 9 columns
+        head = ("| plan | world | predicted ms | measured ms | time err | roofline ms (err) | "
+                "predicted MiB | measured MiB | mem err |\n|---|---|---|---|---|---|---|---|---|")
+        write_section("sim-accuracy", "python bench/sim_accuracy.py " + " ".join(sys.argv[1:]),
+                      head + "\n" + "\n".join(short) + "\n\n" + summary + "\n")
+        print("wrote bench/README.md")
 
 
 if __name__ == "__main__":
