@@ -114,6 +114,20 @@ def test_search_ranks_by_the_simulator_and_is_deterministic() -> None:
     assert a.why() and "beats the runner-up" in a.why()[0]
 
 
+def test_a_tie_with_the_runner_up_says_so() -> None:
+    """Two plans the simulator cannot tell apart: the reason is the tie and its break, not
+    an empty list."""
+    import dataclasses
+
+    a = _searched("free")
+    first, second = a.ranked[0], a.ranked[1]
+    twin = dataclasses.replace(second, result=first.result)  # the same numbers, another plan
+    tied = dataclasses.replace(a, ranked=[first, twin], reference=None)
+    (line,) = tied.why()
+    assert line.endswith("the same within 0.1% on every count (step, compute, comm, bubble, "
+                         "memory); first by name, the tie-break"), line
+
+
 def test_free_is_never_worse_than_a_preset_inside_it() -> None:
     free = _searched("free").best.result.step_time
     for name in ("megatron", "nnscaler", "dp"):

@@ -132,7 +132,7 @@ def render(prog: Program) -> str:
         return "\n".join(lines).rstrip() + "\n"
     args = ", ".join(i.local for i in prog.inputs)
     lines.append(f"def forward(rt, p, {args}):" if args else "def forward(rt, p):")
-    lines.append(f'    """This rank\'s pieces of the forward pass; returns its loss term."""')
+    lines.append('    """This rank\'s pieces of the forward pass; returns its loss term."""')
     lines += body(prog, prog.instrs, {prog.loss or ""})
     lines.append(f"    return {prog.loss or 'None'}")
     return "\n".join(lines) + "\n"

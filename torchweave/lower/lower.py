@@ -8,9 +8,6 @@ compute on its device and record where its outputs now live.
 
 from __future__ import annotations
 
-from typing import Any
-
-from torchweave.errors import Problem
 from torchweave.ir.graph import Graph, Node, Ref
 from torchweave.lower.coshard import coshard_key, lower_region
 from torchweave.lower.derive import Need, derive, point_to_point
@@ -18,7 +15,7 @@ from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
 )
 from torchweave.lower.program import (
-    Comm, Compute, Free, InputSlot, LocalRef, ParamSlot, Program, RecycleLink,
+    Comm, Compute, InputSlot, LocalRef, ParamSlot, Program, RecycleLink,
 )
 from torchweave.lower.stages import insert_frees, split_stages
 from torchweave.lower.steps import Box, Group, devices_of, name_of

@@ -161,8 +161,6 @@ def squeeze(call: Call) -> str:
 
 
 def _match_group(a, b, src, dst, taken, ins, outs) -> None:
-    sa = [src[k] for k in a if src[k] != 1]
-    sb = [dst[k] for k in b if dst[k] != 1]
     if len(a) == 1 and len(b) == 1:
         (n,) = fresh(taken, 1)
         ins.append(n if src[a[0]] != 1 else "1")

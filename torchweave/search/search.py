@@ -126,8 +126,11 @@ class SearchResult:
             parts = [f"{k} {a[k]:.4g} vs {b[k]:.4g}" + (" s" if k in ("step", "compute", "comm")
                                                         else "")
                      for k in a if not math.isclose(a[k], b[k], rel_tol=1e-3)]
-            out.append(f"beats the {label} `{other.spec}` ({b['step'] / a['step']:.3f}x): "
-                       + "; ".join(parts))
+            why = "; ".join(parts) if parts else (
+                "the same within 0.1% on every count (step, compute, comm, bubble, memory); "
+                + ("first by its exact step time" if a["step"] < b["step"]
+                   else "first by name, the tie-break"))
+            out.append(f"beats the {label} `{other.spec}` ({b['step'] / a['step']:.3f}x): {why}")
         return out
 
 
