@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchweave.lower.program import Compute, LocalRef, Program
+from torchweave.lower.program import Program
 
 
 @dataclass(frozen=True)
@@ -86,23 +86,4 @@ def mine(groups, rank: int) -> tuple[int, ...]:
     return (rank,)
 
 
-def refs(ins: Compute) -> list[str]:
-    """The local values a compute instruction reads, in argument order."""
-    out: list[str] = []
-
-    def walk(x) -> None:
-        if isinstance(x, LocalRef):
-            out.append(x.name)
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-
-    walk(ins.args)
-    walk(ins.kwargs)
-    return out
-
-
-__all__ = ["Footprint", "NodeCost", "RankForward", "SyncInputs", "mine", "refs"]
+__all__ = ["Footprint", "NodeCost", "RankForward", "SyncInputs", "mine"]
