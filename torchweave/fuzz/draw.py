@@ -25,6 +25,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torchweave.errors import TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
@@ -148,7 +149,7 @@ def draw(seed: int, *, models: tuple[str, ...] = MODELS, world_sizes: tuple[int,
             plan["zero"] = rng.choice([1, 2, 2, 3]) if rng.random() < 0.9 else 3
         if model == "recycler-tiny" and rng.random() < 0.7:
             plan["recycle"] = rng.choice([2, 3])
-        if tp == 1 and dp == 1 and rng.random() < 0.35:
+        if rng.random() < 0.35:  # on top of the stage's tp and dp splits (policies/coshard.py)
             plan["coshard"] = {"at": rng.random(), "length": rng.choice([1, 2, 3]), "k": 2}
         if rng.random() < 0.05:
             step["grad_accum"] = 2  # pipelines take their micro-batches from the plan: rejected
@@ -206,7 +207,13 @@ def build_plan(d: Draw, graph: Graph, world_size: int) -> Plan:
         if p.get("coshard"):
             nodes, dim = _chain(graph, plan, **p["coshard"])
             if nodes:
-                with_coshard(plan, graph, nodes, p["coshard"]["k"], dim)
+                try:
+                    with_coshard(plan, graph, nodes, p["coshard"]["k"], dim)
+                except TorchweaveError:  # that dim is split already: another one, or fewer nodes
+                    try:
+                        with_coshard(plan, graph, nodes, p["coshard"]["k"], trim=True)
+                    except TorchweaveError:
+                        pass  # no split carries through this chain on these devices
     if p.get("recompute"):
         names = _module_names(graph)
         if names:

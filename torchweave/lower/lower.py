@@ -9,7 +9,7 @@ compute on its device and record where its outputs now live.
 from __future__ import annotations
 
 from torchweave.ir.graph import Graph, Node, Ref
-from torchweave.lower.coshard import coshard_key, lower_region
+from torchweave.lower.coshard import coshard_key, coshare_id, lower_region
 from torchweave.lower.derive import Need, derive, point_to_point
 from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
@@ -86,7 +86,7 @@ class Lowering:
         for ref, tspec in zip(node.input_refs(), bound.annotation.inputs):
             shape = self.graph.values[ref.name].meta.shape
             needs = {d: Need(hull([tensor_box(bound, tspec, shape, p) for p in ps]),
-                             ("coshard", node.name)) if coshard else
+                             coshare_id(self.plan, node.name, ps[0])) if coshard else
                         Need(tensor_box(bound, tspec, shape, ps[0]), ps[0].piece_id)
                      for d, ps in by_device.items()}
             out.append((ref, tspec, needs))
@@ -172,7 +172,7 @@ class Lowering:
             if out and count > 1:
                 self.programs[d].instrs.append(Compute(
                     node.name, "aten.div.Scalar", (LocalRef(out), count), {}, (out,), "single",
-                    f"partial mean → partial sum over {count} pieces"))
+                    f"partial mean → partial sum over {count} pieces", aux=True))
 
     def _comment(self, bound, outs, p: PieceInfo) -> str:
         if not outs:

@@ -29,18 +29,22 @@ class PieceInfo:
 
 
 def node_pieces(plan: Plan, node: str) -> list[PieceInfo]:
-    out = []
-    for index in plan.pieces(node):
-        chunks: dict[str, tuple[int, int]] = {}
-        replica = 0
-        for t, i in zip(plan.transforms(node), index):
-            if t.dim is None:
-                replica = replica * t.parts + i
-            else:
-                k, n = chunks.get(t.dim, (0, 1))
-                chunks[t.dim] = (k * t.parts + i, n * t.parts)
-        out.append(PieceInfo(index, chunks, replica, plan.device_of(node, index)))
-    return out
+    trans = plan.transforms(node)
+    return [piece_info(trans, index, plan.device_of(node, index)) for index in plan.pieces(node)]
+
+
+def piece_info(trans, index: PieceIndex, device: int) -> PieceInfo:
+    """The piece ``index`` of a node transformed by ``trans`` (a prefix of them gives the
+    piece those transforms alone would make: co-shard's share of a device)."""
+    chunks: dict[str, tuple[int, int]] = {}
+    replica = 0
+    for t, i in zip(trans, index):
+        if t.dim is None:
+            replica = replica * t.parts + i
+        else:
+            k, n = chunks.get(t.dim, (0, 1))
+            chunks[t.dim] = (k * t.parts + i, n * t.parts)
+    return PieceInfo(tuple(index), chunks, replica, device)
 
 
 def tensor_box(bound: Bound, spec: TensorSpec, shape: tuple[int, ...], piece: PieceInfo) -> Box:

@@ -35,6 +35,9 @@ class Compute:
     comment: str = ""
     chunk: tuple[int, int] | None = None
     """Co-shard: (region, piece) — the pieces of a region run one after another."""
+    aux: bool = False
+    """A step lowering adds around the node's own call (a view of a slice, a sum or a join
+    of pieces, a rescale): not the node's work, so the simulator does not cost it as such."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_reads"}

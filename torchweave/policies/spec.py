@@ -26,6 +26,10 @@ Options (each policy takes those listed in :data:`OPTIONS`):
 ``recycle``   forward passes per micro-batch (multi-forward pipelines)
 ``recompute`` ``none``, ``full``, ``selective``, or module names ``mlp+attn``
               (:mod:`torchweave.policies.recompute`)
+``coshard``   each device runs its share of a region in K chunks, one after another,
+              each recomputed in backward (:mod:`torchweave.policies.coshard`):
+              ``K`` for the output head (LM head and loss), ``attn+mlp:K`` for every
+              instance of the named modules
 ``split``     how ops split on ``tp`` (``tp`` and pipelines): ``rule`` (Megatron's
               rules, the default), ``sequence`` (Megatron's rules plus sequence
               parallelism in norms, dropout and residuals: ``tp:split=sequence`` is
@@ -48,6 +52,7 @@ from typing import Any
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
+from torchweave.policies.coshard import parse_coshard, with_coshard_spec
 from torchweave.policies.data import dp as dp_policy
 from torchweave.policies.pipeline import SCHEDULES, interlaced
 from torchweave.policies.pipeline import pipeline as pipeline_policy
@@ -56,14 +61,14 @@ from torchweave.policies.recompute import MODES, with_recompute
 from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
-_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split")
+_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split", "coshard")
 _PIPELINES = (*SCHEDULES, "interlaced")
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "dp": ("dp", "zero", "recompute", "accum"),
-    "zero1": ("dp", "recompute", "accum"), "zero2": ("dp", "recompute", "accum"),
-    "zero3": ("dp", "recompute", "accum"),
-    "tp": ("tp", "dp", "zero", "recompute", "split", "accum"),
-    "sp": ("tp", "dp", "zero", "recompute", "accum"),
+    "dp": ("dp", "zero", "recompute", "accum", "coshard"),
+    "zero1": ("dp", "recompute", "accum", "coshard"), "zero2": ("dp", "recompute", "accum", "coshard"),
+    "zero3": ("dp", "recompute", "accum", "coshard"),
+    "tp": ("tp", "dp", "zero", "recompute", "split", "accum", "coshard"),
+    "sp": ("tp", "dp", "zero", "recompute", "accum", "coshard"),
     "random": ("recompute",),
     **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
     "interleaved": (*_PIPE, "virtual"),
@@ -91,6 +96,10 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
     if key == "split":
         return (value, None) if value in SPLIT_OPTIONS else (
             None, f"split is one of {', '.join(SPLIT_OPTIONS)}")
+    if key == "coshard":
+        return (value, None) if parse_coshard(value) is not None else (
+            None, "coshard is K (the output head in K chunks) or module names joined by '+' "
+                  "and ':K' (attn+mlp:2), with K at least 2")
     if key == "recompute":
         names = value.split("+")
         if value in MODES or all(_MODULE.fullmatch(n) for n in names):
@@ -177,6 +186,7 @@ class PlanSpec:
         ``tp``, what ``split=solved`` needs: :func:`torchweave.search.resolve` gives it)."""
         o = dict(self.options)
         recompute = o.pop("recompute", None)
+        coshard = o.pop("coshard", None)
         accum = o.pop("accum", 1)
         split = o.pop("split", "rule")
         if split in ("rule", "sequence"):
@@ -228,6 +238,8 @@ class PlanSpec:
             plan = pipeline_policy(graph, world_size, schedule=name, dims=dims,
                                    sequence=split == "sequence", **o)
         plan.accum = accum
+        if coshard is not None:
+            with_coshard_spec(plan, graph, coshard)
         if recompute is not None:
             with_recompute(plan, graph, recompute)
             if recompute != "none":

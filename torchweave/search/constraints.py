@@ -16,6 +16,7 @@ YAML file in ``torchweave/search/presets/`` (:func:`preset`):
     virtual: [1, 2, 3, 4]     # stages per pipeline rank (interleaved)
     schedules: [none, 1f1b, interleaved, zb]   # none: no pipeline
     recompute: [none, selective, full]
+    coshard: [0, 4]           # the output head in K chunks (0: not co-sharded)
     zero: [0, 1]
     sp: true                  # tensor parallelism may shard the sequence between ops
     split: [rule, solved]     # ops split on tp by Megatron's rules, by the solver, or both
@@ -50,7 +51,10 @@ embeddings and head tensor-parallel over every device, the blocks pipelined one 
 per device; :func:`torchweave.policies.pipeline.interlaced`)."""
 RECOMPUTE = ("none", "selective", "full")
 PRESET_DIR = Path(__file__).with_name("presets")
-TOP_KEYS = ("preset", "tp", "pp", "dp", "micro", "virtual", "schedules", "recompute", "zero",
+COSHARD = ("0", "2", "4", "8", "16")
+"""Co-shard of the output head: 0 (none) or the chunks each device runs it in
+(:mod:`torchweave.policies.coshard`)."""
+TOP_KEYS = ("preset", "tp", "pp", "dp", "micro", "virtual", "schedules", "recompute", "coshard", "zero",
             "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
 OP_KEYS = ("type", "module", "name", "split", "parts", "replicate")
 RANGE_KEYS = ("min", "max", "powers_of_two")
@@ -123,6 +127,8 @@ class Constraints:
     virtual: Degrees = Degrees(only=(1, 2, 3, 4))
     schedules: tuple[str, ...] = SCHEDULE_NAMES
     recompute: tuple[str, ...] = RECOMPUTE
+    coshard: tuple[int, ...] = (0,)
+    """The output head (LM head and loss) in K chunks per device (0: whole)."""
     zero: tuple[int, ...] = (0, 1, 2, 3)
     sp: bool = True
     split: tuple[str, ...] = SPLITS
@@ -239,6 +245,8 @@ class _Reader:
             out["schedules"] = tuple(self.choices(items["schedules"], "schedules", SCHEDULE_NAMES))
         if "recompute" in items:
             out["recompute"] = tuple(self.choices(items["recompute"], "recompute", RECOMPUTE))
+        if "coshard" in items:
+            out["coshard"] = tuple(int(x) for x in self.choices(items["coshard"], "coshard", COSHARD))
         if "zero" in items:
             out["zero"] = tuple(int(x) for x in self.choices(items["zero"], "zero",
                                                              ("0", "1", "2", "3")))

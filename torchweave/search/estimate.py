@@ -90,13 +90,13 @@ def sub_cluster(cluster: Cluster, n: int) -> Cluster:
 
 
 def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, recompute: str, *,
-          dtype, precision: str, dims: dict[str, str | None] | None = None) -> Proxy:
-    """The proxy of ``(tp, sp, recompute)``; raises the policy's error where the split
-    does not apply to the model (e.g. heads not divisible by tp)."""
-    text = ("dp" if tp == 1 else f"{'sp' if sp else 'tp'}:tp={tp},dp=1") + (
-        "" if recompute == "none" else (":" if tp == 1 else ",") + f"recompute={recompute}")
-    if dims is not None:
-        text += ",split=solved"
+          dtype, precision: str, dims: dict[str, str | None] | None = None, coshard: int = 0) -> Proxy:
+    """The proxy of ``(tp, sp, recompute, split, coshard)``; raises the policy's error where
+    the split does not apply to the model (e.g. heads not divisible by tp)."""
+    opts = ([f"tp={tp}", "dp=1"] if tp > 1 else []) + (
+        [f"recompute={recompute}"] if recompute != "none" else []) + (
+        ["split=solved"] if dims is not None else []) + ([f"coshard={coshard}"] if coshard else [])
+    text = ("dp" if tp == 1 else "sp" if sp else "tp") + (":" + ",".join(opts) if opts else "")
     plan = PlanSpec.parse(text).build(graph, tp, dims=dims)
     small = sub_cluster(cluster, tp)
     runs = []

@@ -188,7 +188,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             for pt in pts:
                 if not estimable(pt):
                     continue
-                px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split)]
+                px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split, pt.coshard)]
                 if px is None:
                     continue
                 e = estimate(pt, px, cluster, len(blocks), precision=precision)
@@ -258,7 +258,7 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
     degrees only while they make a block faster; a degree's solved split is solved
     (``solve_tp``, into ``parts``) when the degree is reached."""
     proxies: dict[tuple, Proxy | None] = {}
-    keys = sorted({(p.tp, p.sp, p.recompute, p.split) for p in pts})
+    keys = sorted({(p.tp, p.sp, p.recompute, p.split, p.coshard) for p in pts})
     stop = None
     for tp in sorted({k[0] for k in keys}):
         group = [k for k in keys if k[0] == tp]
@@ -271,7 +271,7 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
         best_block = min((x.block_s for k, x in proxies.items() if x and k[0] < tp),
                          default=math.inf)
         for key in group:
-            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]}")
+            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]} coshard={key[4]}")
         got = runner.map(_proxy_job, [(key, parts[tp].dims if key[3] == "solved" and parts.get(tp)
                                        else None) for key in group])
         for key, px in zip(group, got):
@@ -285,7 +285,7 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
                 excluded.append(f"tp={tp}: {bad}")
                 continue
             proxies[key] = px
-            if key[1:] == (False, "none", "rule") and tp > 1 and px.block_s >= best_block:
+            if key[1:] == (False, "none", "rule", 0) and tp > 1 and px.block_s >= best_block:
                 stop = tp
                 excluded.append(f"tp > {tp}: not tried; tp={tp} is no faster per block "
                                 f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
@@ -293,7 +293,7 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
 
 
 def _proxy_job(s: dict, key: tuple, dims: dict | None) -> Proxy:
-    return proxy(s["graph"], s["blocks"], s["cluster"], *key[:3], dtype=s["dtype"],
+    return proxy(s["graph"], s["blocks"], s["cluster"], *key[:3], coshard=key[4], dtype=s["dtype"],
                  precision=s["precision"], dims=dims)
 
 
@@ -361,7 +361,7 @@ def _in(c: Constraints, pt: Point) -> bool:
             and pt.schedule in c.schedules and pt.recompute in c.recompute
             and (pt.zero in c.zero or pt.dp == 1)
             and (c.sp or not pt.sp) and (pt.pp == 1 or c.micro.allows(pt.micro))
-            and (pt.tp == 1 or pt.split in c.split)
+            and (pt.tp == 1 or pt.split in c.split) and pt.coshard in c.coshard
             and (pt.schedule != "interleaved" or c.virtual.allows(pt.virtual)))
 
 

@@ -1,4 +1,5 @@
-"""The space a constraint set leaves: every (tp, pp, dp, micro, schedule, virtual, recompute, ZeRO, sp)
+"""The space a constraint set leaves: every (tp, pp, dp, micro, schedule, virtual, recompute, ZeRO, sp,
+split, co-shard)
 point as a plan string, with the reason each excluded point is excluded.
 
 A point is a plan string of the built-in policies (:mod:`torchweave.policies.spec`),
@@ -30,6 +31,8 @@ class Point:
     sp: bool
     split: str = "rule"
     """How ops split on ``tp``: ``rule`` (Megatron's) or ``solved`` (:mod:`~torchweave.search.intra`)."""
+    coshard: int = 0
+    """The output head run in this many chunks per device (0: whole; ``coshard=K``)."""
 
     @property
     def spec(self) -> str:
@@ -40,6 +43,8 @@ class Point:
         split = "sequence" if self.sp and self.schedule != "none" else self.split
         if split != "rule":
             rec = ",".join(x for x in (rec, f"split={split}") if x)
+        if self.coshard:
+            rec = ",".join(x for x in (rec, f"coshard={self.coshard}") if x)
         if self.schedule == "none":
             if self.tp == 1:
                 base = "dp" if self.zero == 0 else f"zero{self.zero}"
@@ -84,7 +89,8 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                         continue  # ZeRO-3 is the data-parallel policy's (zero3)
                     for rec in c.recompute:
                         for sp, split in _kinds(tp, c):
-                            out.append(Point(tp, 1, dp, 1, "none", 1, rec, zero, sp, split))
+                            for co in c.coshard:
+                                out.append(Point(tp, 1, dp, 1, "none", 1, rec, zero, sp, split, co))
                 continue
             if not blocks:
                 continue
@@ -100,8 +106,9 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                         for zero in _zeros([z for z in c.zero if z <= 1], dp):
                             for rec in c.recompute:
                                 for sp, split in _kinds(tp, c):
-                                    out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp,
-                                                     split))
+                                    for co in c.coshard:
+                                        out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp,
+                                                         split, co))
     out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
     if tps and not out:
         why.append(f"no (tp, pp, dp, micro) in the constraints fits {world} ranks, a batch of "

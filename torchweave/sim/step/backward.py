@@ -80,10 +80,15 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
     for idx in range(len(prog.instrs) - 1, -1, -1):
         ins = prog.instrs[idx]
         (stage, crossing), block = self.stage(ins), self.block(ins)
-        if isinstance(ins, Compute):
+        if isinstance(ins, Compute) and ins.aux:  # a view, sum or join of pieces: no time
+            out.append(Task(LOCAL, f"{ins.node} ({ins.fn}) bwd", tuple(grad(o) for o in ins.outputs),
+                            tuple(grad(a) for a in refs_of[idx]), stage=stage, block=block))
+            for p in refs_of[idx]:
+                reached(p, idx, block)
+        elif isinstance(ins, Compute):
             cost = self.costs[ins.node]
             refs = refs_of[idx]
-            for p in refs:
+            for p in (state.views.get(x, x) for x in refs):
                 u = unit_of.get(p)
                 if u is None or u in seen:
                     continue
@@ -100,7 +105,8 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
             if not cost.grad:
                 continue
             waits = tuple(grad(o) for o in ins.outputs) + tuple(
-                regathered(p) for p in refs if p in gathered and unit_of.get(p) != kept)
+                regathered(p) for p in (state.views.get(x, x) for x in refs)
+                if p in gathered and unit_of.get(p) != kept)
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
                             tuple(grad(a) for a in refs), cost.bwd, stage=stage, block=block))
             for p in refs:

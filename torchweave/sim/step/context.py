@@ -11,6 +11,7 @@ import torch
 
 from torchweave.ir.graph import Graph
 from torchweave.lower import steps
+from torchweave.lower.coshard import coshard_key
 from torchweave.lower.pieces import tensor_box
 from torchweave.lower.program import Comm, Compute
 from torchweave.ops import info
@@ -56,6 +57,10 @@ class StepContext:
         self.stage_of: dict[str, int] = dict(pipe.stage_of) if pipe is not None else {}
         self.group_of = {n: k for k, grp in enumerate(self.plan.recompute) for n in grp}
         """Node → its recompute group's index (``Plan.recompute``)."""
+        self.coshard = {node.name: key[1] for node in self.graph.nodes
+                        if (key := coshard_key(self.plan, node.name)) is not None}
+        """Co-sharded node → its ``k`` (:mod:`torchweave.lower.coshard`): each chunk is run
+        again before its backward, like a recompute group."""
         for node in self.graph.nodes:
             self.costs[node.name] = self._node_cost(node)
             self.saves[node.name] = saves(self.graph, node)
@@ -92,7 +97,7 @@ class StepContext:
             hit = self.profiles.lookup(op_key(self.graph, node, piece, self.dtype) or "")
             if hit is not None:
                 fwd, bwd = hit
-        if node.name in self.group_of:
+        if node.name in self.group_of or node.name in self.coshard:
             bwd += fwd  # its forward runs again before its backward
         return NodeCost(fwd, bwd if grad else 0.0, tuple(out), grad, op.flops + op.bwd_flops)
 

@@ -51,36 +51,32 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
     root: dict[str, str] = {}
     strided: set[str] = set()
     kept: dict[str, float] = {}
-    inner: dict[str, int] = {}  # value made here inside recompute group k → k
+    inner: dict[str, object] = {}  # value made here inside recompute group k (or co-shard chunk) → k
     fwd: list[Task] = []
     kept_stage: dict[str, int | None] = {}
     _zero3_units(ctx, state)
-    unit_of, members = state.unit_of, state.members
     for idx, ins in enumerate(prog.instrs):
         mark = len(fwd)
-        if isinstance(ins, Compute):
+        if isinstance(ins, Compute) and ins.aux:
+            refs = state.refs_of[idx] = ins.reads()
+            _first_reads(ctx, state, refs, idx, fwd)
+            if ins.fn == "aten.narrow.default" and refs and refs[0] in params:
+                state.views[ins.outputs[0]] = refs[0]
+            base = _aux(ctx, ins, refs, nbytes, root, inner)
+            if base is not None and base not in not_act:
+                kept[base] = nbytes.get(base, 0.0)
+                kept_stage.setdefault(base, ctx.stage_of.get(ins.node))
+            fwd.append(Task(LOCAL, f"{ins.node} ({ins.fn})", tuple(refs), ins.outputs))
+        elif isinstance(ins, Compute):
             cost = ctx.costs[ins.node]
             refs = state.refs_of[idx] = ins.reads()
-            for p in refs:
-                if p in params and p not in state.first_reader:
-                    state.first_reader[p] = idx
-                    if p in unit_of and unit_of[p] not in foot.gathered:
-                        u = unit_of[p]
-                        foot.gathered.append(u)
-                        grp = mine(params[p].grad_groups, r)
-                        size = sum(nbytes[q] for q in members[u])
-                        # The unit in use and the next one, prefetched.
-                        foot.temporaries = max(foot.temporaries, int(2 * size))
-                        fwd.append(Task(COMM, f"all_gather unit {u} ({params[p].path}...)", (),
-                                        tuple(members[u]),
-                                        ctx.comm(Collective.ALL_GATHER, size, grp),
-                                        Rendezvous(Meet.UNIT_FORWARD, u, grp), ctx.meet_of(grp)))
+            _first_reads(ctx, state, refs, idx, fwd)
             for o, b in zip(ins.outputs, cost.out_bytes):
                 nbytes[o] = b
 
             _storages(ctx, ins, refs, root, strided)
             sv, node = ctx.saves[ins.node], ctx.nodes[ins.node]
-            group = ctx.group_of.get(ins.node)
+            group = ("co-shard", *ins.chunk) if ins.chunk is not None else ctx.group_of.get(ins.node)
             if group is not None:  # made here inside the group: recomputed, not kept
                 inner.update((o, group) for o in ins.outputs)
             pos = refs if len(refs) == len(node.input_refs()) else []
@@ -118,6 +114,51 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
     foot.n_fwd = len(fwd)
     foot.held = foot.temporaries
     return fwd, state
+
+
+def _first_reads(ctx: StepContext, state: RankForward, refs: list[str], idx: int,
+                 fwd: list[Task]) -> None:
+    """Parameters ``refs`` reads for the first time: their first reader, and under ZeRO-3
+    the gather of their unit."""
+    params, foot, nbytes = state.params, state.foot, state.nbytes
+    for p in refs:
+        if p in params and p not in state.first_reader:
+            state.first_reader[p] = idx
+            if p in state.unit_of and state.unit_of[p] not in foot.gathered:
+                u = state.unit_of[p]
+                foot.gathered.append(u)
+                grp = mine(params[p].grad_groups, state.prog.rank)
+                size = sum(nbytes[q] for q in state.members[u])
+                # The unit in use and the next one, prefetched.
+                foot.temporaries = max(foot.temporaries, int(2 * size))
+                fwd.append(Task(COMM, f"all_gather unit {u} ({params[p].path}...)", (),
+                                tuple(state.members[u]),
+                                ctx.comm(Collective.ALL_GATHER, size, grp),
+                                Rendezvous(Meet.UNIT_FORWARD, u, grp), ctx.meet_of(grp)))
+
+
+def _aux(ctx: StepContext, ins: Compute, refs: list[str], nbytes: dict[str, float],
+         root: dict[str, str], inner: dict[str, object]) -> str | None:
+    """A step lowering adds around a node's call (``Compute.aux``): its output's bytes and
+    storage, and the value it keeps for backward (or None). Co-shard's slice of an outside
+    value is a view of it, and the chunk keeps that value for its recompute (checkpoint
+    keeps its inputs); sums and joins of pieces make a new tensor of their pieces' size; a
+    rescale, of its input's."""
+    if not refs:
+        return None
+    src = refs[0]
+    if ins.fn == "aten.narrow.default":
+        out = ins.outputs[0]
+        nbytes[out] = nbytes.get(src, 0.0) / ctx.coshard.get(ins.node, 1)
+        root[out] = root.get(src, src)
+        if ins.chunk is None:
+            return None
+        inner[out] = ("co-shard", *ins.chunk)
+        return None if src in inner else root.get(src, src)
+    size = sum(nbytes.get(r, 0.0) for r in refs) if ins.fn == "aten.cat.default" else nbytes.get(src, 0.0)
+    for o in ins.outputs:
+        nbytes[o] = size
+    return None
 
 
 def _zero3_units(ctx: StepContext, state: RankForward) -> None:

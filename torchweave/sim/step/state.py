@@ -66,6 +66,8 @@ class RankForward:
     """ZeRO-3: owned parameter → its unit (:mod:`torchweave.lower.units`)."""
     members: dict[int, list[str]] = field(default_factory=dict)
     """ZeRO-3: unit → its parameters."""
+    views: dict[str, str] = field(default_factory=dict)
+    """A co-shard chunk's slice of a parameter → the parameter (its reader needs the unit)."""
 
 
 @dataclass
