@@ -98,6 +98,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     note = replication_note(plan, graph)
     if note:
         console.print(note, highlight=False, markup=False)
+    if plan.notes.get("coshard"):  # each device runs these chains in chunks (policies/coshard.py)
+        console.print(f"co-shard: {plan.notes['coshard']} (chunks per device, each recomputed in "
+                      "backward)", highlight=False, markup=False)
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json())
@@ -258,13 +261,19 @@ def _models(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def plain_console() -> Console:
+    """The CLI's console: nothing it prints is read as rich markup (error texts, node
+    names and module paths hold square brackets); the few styled lines say so."""
+    return Console(width=None if sys.stdout.isatty() else 200, markup=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = plain_console()
     try:
         return int(args.run(args, console))
     except TorchweaveError as exc:

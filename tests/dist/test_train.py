@@ -81,7 +81,7 @@ def test_resumed_run_matches_the_uninterrupted_one_exactly(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("source,target", [
     (("zero1", 2, 2), ("dp", 4, 1)),
-    (("zero3", 2, 2), ("tp", 2, 4)),
+    (("zero3", 2, 2), ("tp:tp=2,coshard=mlp:2", 2, 4)),  # co-shard from a train config
     (("1f1b", 2, 4), ("zero2", 2, 2)),
 ])
 def test_resume_under_another_plan_and_world_size(tmp_path: Path, source, target) -> None:

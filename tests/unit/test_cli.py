@@ -80,3 +80,20 @@ def test_gpt_flops_agree_with_the_standard_count(name: str) -> None:
     b, s = inputs[0].shape
     want = gpt.flops_per_token(model.cfg, s) * b * s
     assert abs(summary.train_flops / want - 1) < 0.02
+
+
+def test_user_strings_with_square_brackets_print_as_plain_text(capsys) -> None:
+    """Error texts, node names and module paths hold square brackets (``layers[/0]``);
+    rich once read them as markup and the CLI died with MarkupError before the user saw
+    the error. The CLI's console reads no markup."""
+    import io
+
+    from torchweave.cli import main, plain_console
+
+    console = plain_console()
+    console.file = io.StringIO()
+    console.print("model.layers[/0].mlp [bold]x[/bold] closing tag '[/...'")
+    assert "model.layers[/0].mlp [bold]x[/bold] closing tag '[/...'" in console.file.getvalue()
+    assert main(["plan", "gpt-tiny", "--plan", "dp:recompute=[/x]"]) == 2
+    out = capsys.readouterr()
+    assert "recompute=[/x]" in out.out + out.err

@@ -350,3 +350,29 @@ def test_simulate_writes_each_plans_numbers_as_json(tmp_path, capsys) -> None:
     assert [x["peak"] for x in tp["memory_bytes"]] == list(direct.peak_memory)
     assert tp["world_size"] == 4 and len(tp["compute_s"]) == 4 and tp["simulated_in_s"] > 0
     assert f"step time      {tp['step_time_s'] * 1e3:.4g} ms" in capsys.readouterr().out
+
+
+def test_coshard_from_the_command_line(tmp_path, capsys) -> None:
+    """``coshard=`` in a plan string: simulated (less activation memory, a longer step),
+    saved as plan.json by ``torchweave plan`` and read back as data; a bad value is refused
+    before anything is captured, naming the option and the forms it takes."""
+    def sim(plan: str) -> dict:
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", plan,
+                     "--json", str(out)]) == 0
+        (row,) = json.loads(out.read_text())
+        return row
+
+    plain, chunked = sim("dp"), sim("dp:coshard=mlp+attn:2")
+    assert chunked["memory_bytes"][0]["activations"] < plain["memory_bytes"][0]["activations"]
+    assert chunked["step_time_s"] > plain["step_time_s"]
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--plan", "tp:tp=2,coshard=mlp:2", "--world-size", "2",
+                 "--out", str(saved)]) == 0
+    assert "co-shard: linear_4_nobias..linear_5_nobias x2" in capsys.readouterr().out
+    assert "coshard=mlp:2" in saved.read_text()
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", str(saved)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp:coshard=mlp:x"]) == 2
+    err = capsys.readouterr()
+    assert "coshard is K" in err.out + err.err

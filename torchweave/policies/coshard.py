@@ -227,7 +227,26 @@ def with_coshard_spec(plan: Plan, graph: Graph, value: str) -> Plan:
             raise TorchweaveError(Problem(obj="coshard", value=value, rule="the region has ops",
                                           fix="name a module, or drop coshard"))
         with_coshard(plan, graph, chain, k, trim=True)
+        if not names:
+            _head_stays_chunked(plan, graph, chain[0], k, value)
     return plan
+
+
+def _head_stays_chunked(plan: Plan, graph: Graph, first: str, k: int, value: str) -> None:
+    """The head's largest tensor (its first node's output) must be read only inside the
+    region: joined whole again, the co-shard would save nothing and cost a forward."""
+    users = graph.consumers()
+    node = graph.node(first)
+    inside = {n for n, tr in plan.trans.items() if tr and tr[-1].parts == k and len(
+        set(plan.assignment.get(n, []))) < len(plan.assignment.get(n, []))}
+    out = node.outputs[0]
+    if any(u.name not in inside for u in users.get(out, [])):
+        bound = info(graph, node).bound
+        raise TorchweaveError(Problem(
+            obj="coshard", value=value,
+            rule=f"the output head's {out} ('{bound}') stays in {k} chunks through the loss: its "
+                 f"split must carry to the loss, so each device's share of the batch splits {k} ways",
+            fix="a K that divides each device's samples (per micro-batch), or no coshard"))
 
 
 __all__ = ["head_chain", "module_chains", "parse_coshard", "with_coshard", "with_coshard_spec"]

@@ -376,6 +376,7 @@ def _nothing_fits(c: Constraints, cluster: Cluster, budget: float, over, exclude
         spec, short = min(over, key=lambda x: (x[1], x[0]))
         relax = ("allow recompute (recompute: [none, selective, full])" if "full" not in
                  c.recompute else "allow ZeRO (zero: [0, 1, 2, 3])" if 3 not in c.zero else
+                 "co-shard the output head (coshard: [0, 2, 4])" if len(c.coshard) < 2 else
                  "allow more pipeline or tensor parallelism, or use more devices")
         return [Problem(obj=f"constraints {c.name!r}",
                         value=f"the closest plan, {spec}, needs {short:.2f} GiB more per device",

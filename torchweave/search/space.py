@@ -89,7 +89,7 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                         continue  # ZeRO-3 is the data-parallel policy's (zero3)
                     for rec in c.recompute:
                         for sp, split in _kinds(tp, c):
-                            for co in c.coshard:
+                            for co in _chunks(c.coshard, local):
                                 out.append(Point(tp, 1, dp, 1, "none", 1, rec, zero, sp, split, co))
                 continue
             if not blocks:
@@ -106,7 +106,7 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                         for zero in _zeros([z for z in c.zero if z <= 1], dp):
                             for rec in c.recompute:
                                 for sp, split in _kinds(tp, c):
-                                    for co in c.coshard:
+                                    for co in _chunks(c.coshard, local // m):
                                         out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp,
                                                          split, co))
     out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
@@ -122,6 +122,12 @@ def _kinds(tp: int, c: Constraints) -> list[tuple[bool, str]]:
     if tp == 1:
         return [(False, "rule")]
     return [(False, s) for s in c.split] + ([(True, "rule")] if c.sp else [])
+
+
+def _chunks(allowed, samples: int) -> list[int]:
+    """The head co-shards worth a point: its chunks split a device's samples (per
+    micro-batch) evenly (:func:`torchweave.policies.coshard.with_coshard_spec`)."""
+    return [k for k in allowed if k == 0 or samples % k == 0]
 
 
 def _zeros(allowed, dp: int) -> list[int]:

@@ -107,7 +107,7 @@ class Trainer:
         self.cfg, self.ctx = config, ctx
         self.rank = ctx.rank
         self.run_dir = Path(config.run_dir).resolve()
-        self.console = console or Console(stderr=False)
+        self.console = console or Console(stderr=False, markup=False)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.dataset = build_dataset(config.data, config.seed)
@@ -171,7 +171,8 @@ class Trainer:
             if log is not None:
                 log.event("checkpoint_failed", step=self.step, error=str(e))
                 self.console.print(f"[yellow]checkpoint at step {self.step} failed; training "
-                                   f"goes on, the last good checkpoint is kept:[/]\n{escape(str(e))}")
+                                   f"goes on, the last good checkpoint is kept:[/]\n{escape(str(e))}",
+                                   markup=True)
             return None, False
         if log is not None:
             log.event("checkpoint", step=self.step, path=str(path))
@@ -290,7 +291,7 @@ class Trainer:
     def _log_failure(self, event: str, message: str) -> None:
         if self._log is not None:
             self._log.event(event, step=self.step, error=message)
-        self.console.print(f"[yellow]{escape(message)}[/]")
+        self.console.print(f"[yellow]{escape(message)}[/]", markup=True)
 
     def _one_step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, float, bool]:
         """Forward, backward, norm; the update only when both loss and norm are finite."""
