@@ -44,8 +44,8 @@ def with_coshard(plan: Plan, graph: Graph, nodes: list[str], k: int, dim: str | 
     """Co-shard ``nodes`` (consecutive in the graph) ``k`` ways, the first along ``dim``
     (None: the first of its spatial dims that carries through the whole chain).
 
-    ``trim``: drop trailing nodes the split does not reach (a loss's final division)
-    instead of refusing them."""
+    ``trim``: end the chain before the first node the split does not reach (a loss's
+    final division, or a sum of tensor-parallel partials) instead of refusing it."""
     if not nodes:
         raise TorchweaveError(Problem(obj="co-shard", value="no nodes", rule="a chain has a node"))
     first = info(graph, graph.node(nodes[0])).bound
@@ -55,8 +55,8 @@ def with_coshard(plan: Plan, graph: Graph, nodes: list[str], k: int, dim: str | 
     for d in tried:
         dims = _carry(plan, graph, nodes, d, k)
         chain = list(nodes)
-        while trim and chain and chain[-1] not in dims:
-            chain.pop()
+        if trim:  # up to the first node the split does not reach
+            chain = chain[:next((i for i, n in enumerate(chain) if n not in dims), len(chain))]
         if all(n in dims for n in chain) and chain:
             best = dims, chain
             break
