@@ -88,4 +88,5 @@ def render(summary: Summary, console: Console, *, ops: bool = True) -> None:
     console.print(f"forward FLOPs:       {summary.forward_flops:.4g}")
     console.print(f"FLOPs per train step: {summary.train_flops:.4g} (forward + backward)")
     if summary.unannotated:
-        console.print(f"[yellow]replicate-only (no annotation): {escape(', '.join(summary.unannotated))}")
+        console.print(f"[yellow]replicate-only (no annotation): {escape(', '.join(summary.unannotated))}",
+                      markup=True)

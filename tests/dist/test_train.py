@@ -187,3 +187,20 @@ def test_a_crafted_newest_checkpoint_stops_the_resume_and_runs_nothing(tmp_path:
     resumed, _ = _run(tmp_path, "--steps=5", *cfg)
     assert resumed.start_step == 4 and sorted(resumed.losses) == [5]
     assert not marker.exists()
+
+
+def test_the_transformers_example_config_trains(tmp_path: Path) -> None:
+    """examples/hf_llama.yaml: a transformers Llama by class name, the plan found by the
+    search, 2 gloo ranks; the loss falls and the weights are saved."""
+    pytest.importorskip("transformers")
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_llama.yaml"
+    out = io.StringIO()
+    cfg = load_config(str(example), [f"--run_dir={tmp_path}", "--steps=6", "--checkpoint.every=6",
+                                     "--progress=false", "--tensorboard=false"])
+    result = run(cfg, Console(file=out, width=200), timeout_s=120)
+    text = out.getvalue()
+    assert "LlamaForCausalLM" in text and "auto:" in text
+    assert sorted(result.losses) == [1, 2, 3, 4, 5, 6]
+    assert result.losses[6] < result.losses[1]
+    assert (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "loss.png").stat().st_size > 10_000 and "loss.png" in text

@@ -81,3 +81,31 @@ def test_bad_yaml_and_bad_override_syntax(tmp_path: Path) -> None:
         load_config(None, ["--optim=3"])
     with pytest.raises(ConfigError, match="!!python"):
         load_config(_write(tmp_path, "steps: !!python/object/apply:os.system ['true']"), [])
+
+
+def test_a_transformers_model_by_class_name(tmp_path: Path) -> None:
+    """``model: {hf: LlamaForCausalLM, config: {...}}``: built from its config with fresh
+    weights (nothing downloaded), vocab from the data, forward returning the loss on the
+    data's next-token targets; only a causal LM class of transformers is looked up."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from torchweave.models.hf import HFNextToken
+    from torchweave.train.build import build_model
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_llama.yaml"
+    cfg = load_config(str(example), ["--steps=1"])
+    assert cfg.model.hf == "LlamaForCausalLM"
+    model = build_model(cfg.model, vocab_size=50, seq_len=cfg.data.seq_len)
+    assert isinstance(model, HFNextToken)
+    inner = model.model
+    assert type(inner).__name__ == "LlamaForCausalLM" and inner.config.vocab_size == 50
+    assert inner.config.hidden_size == 128 and inner.config.use_cache is False
+    idx = torch.randint(0, 50, (2, 16))
+    loss = model(idx, idx)
+    assert loss.ndim == 0 and 3.0 < float(loss.detach()) < 5.0  # about log(50) for fresh weights
+    for name in ("os", "LlamaModel", "AutoModelForCausalLM", "__import__"):
+        with pytest.raises(ConfigError, match="model.hf"):
+            build_model(load_config(None, [f"--model.hf={name}"]).model, vocab_size=50, seq_len=16)
+    with pytest.raises(ConfigError, match="model.config"):
+        load_config(None, ["--model.config={hidden_size: 8}"])  # no hf class named

@@ -149,3 +149,25 @@ def test_user_strings_print_as_text_never_as_markup() -> None:
     out = io.StringIO()
     Console(file=out, width=400).print(plan_table(plan, graph, limit=3))
     assert hostile in out.getvalue()
+
+
+def test_the_loss_picture_reads_each_steps_last_record(tmp_path) -> None:
+    """loss.png from metrics.jsonl: a resumed run's redone steps count once (the last
+    record), events and broken lines are skipped; no steps, no picture."""
+    import json
+
+    pytest.importorskip("matplotlib")
+    from torchweave.train.plot import loss_png, steps_of
+
+    lines = [{"event": "start", "step": 0}, {"step": 1, "loss": 4.0, "tokens_per_s": 100.0},
+             {"step": 2, "loss": 3.5, "tokens_per_s": 120.0}, {"event": "resume", "step": 1},
+             {"step": 2, "loss": 3.4, "tokens_per_s": 110.0}, {"step": 3, "loss": float("nan")}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
+    steps = steps_of(tmp_path / "metrics.jsonl")
+    assert list(steps) == [1, 2, 3] and steps[2]["loss"] == 3.4
+    out = loss_png(tmp_path)
+    assert out == tmp_path / "loss.png" and out.read_bytes()[:4] == b"\x89PNG"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text(json.dumps({"event": "start", "step": 0}) + "\n")
+    assert loss_png(empty) is None and loss_png(tmp_path / "missing") is None

@@ -13,6 +13,7 @@ from torchweave.runtime.launch import LaunchConfig, RankContext, init_from_env, 
 from torchweave.train.auto import Choice
 from torchweave.train.config import TrainConfig, load_config
 from torchweave.train.loop import RunResult, Trainer
+from torchweave.train.plot import loss_png
 
 DEMO = {
     "run_dir": "runs/demo",
@@ -61,14 +62,15 @@ def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice 
         plan, reason = choice.plan, f"auto: {choice.reason}"
     if console is not None:
         n = sum(p.numel() for p in model.parameters())
-        model_text = escape(f"{cfg.model.factory} {cfg.model.kwargs or ''}")
+        model_text = escape(f"{cfg.model.hf} {cfg.model.config or ''}" if cfg.model.hf else
+                            f"{cfg.model.factory} {cfg.model.kwargs or ''}")
         console.print(f"[bold]model[/] {model_text}: "
                       f"{n / 1e6:.2f}M parameters, {len(graph.nodes)} ops; "
                       f"[bold]data[/] {escape(str(cfg.data.kind))}, {len(dataset)} samples of "
-                      f"{cfg.data.seq_len} tokens")
+                      f"{cfg.data.seq_len} tokens", markup=True)
         resolved = resolve(plan, graph, cfg.parallel.world_size)
         console.print(f"[bold]plan[/] {escape(plan)} on {cfg.parallel.world_size} ranks"
-                      + (f"  ({escape(reason)})" if reason else ""))
+                      + (f"  ({escape(reason)})" if reason else ""), markup=True)
         console.print(plan_table(resolved, graph, limit=12))
         note = replication_note(resolved, graph)
         if note:
@@ -120,6 +122,9 @@ def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float
         row("weights", f"{result.weights} (safetensors; loads with strict=True)")
     row("per-rank code", f"{result.code_dir}/rank*.py (plan.json beside them)")
     row("metrics", result.metrics + (f"; TensorBoard: {result.tensorboard}" if result.tensorboard else ""))
+    picture = loss_png(result.run_dir)
+    row("loss curve", str(picture) if picture else "not drawn (no step logged, or no matplotlib: "
+                                                   "pip install torchweave[plot])")
     console.print(table)
 
 
@@ -153,7 +158,7 @@ def train_cmd(config: str | None, overrides: list[str], console: Console) -> int
 def demo_cmd(overrides: list[str], console: Console) -> int:
     cfg = load_config(None, overrides, base=DEMO)
     console.print("[bold]torchweave demo[/]: a character-level GPT learns the bundled stories "
-                  f"on {cfg.parallel.world_size} CPU ranks ({cfg.steps} steps)")
+                  f"on {cfg.parallel.world_size} CPU ranks ({cfg.steps} steps)", markup=True)
     result = run(cfg, console)
     if result is not None and result.losses:
         console.print(f"resume or extend it: torchweave demo --steps={cfg.steps * 2} "

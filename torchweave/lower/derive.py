@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable
 
 from torchweave.lower.steps import (
-    P2P, AllGather, AllReduce, AllToAll, Box, GradAllReduce, Group, Narrow, ReduceScatter,
-    Split, Step, Transfer,
+    AllGather, AllReduce, AllToAll, Box, GradAllReduce, Group, Narrow, ReduceScatter, Split, Step,
 )
+from torchweave.lower.transfers import transfers
 from torchweave.plan.layout import Piece
 
 
@@ -352,50 +352,5 @@ def point_to_point(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int,
     return _p2p(shape, src, dst)
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _local(box: Box, origin: Box) -> Box:
-    return tuple((a - o[0], b - o[0]) for (a, b), o in zip(box, origin))
-
-
 def _p2p(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need]) -> Derivation:
-    """Every needed region from one holder per partial term; grads to all holders."""
-    if any(p.reduce != "sum" for p in src.values()):
-        from torchweave.errors import Problem, TorchweaveError
-
-        raise TorchweaveError(Problem(
-            obj="partial log-sum-exp", value=f"held as {sorted(src.items())[:2]}...",
-            rule="log-sum-exp terms are combined over regular groups only",
-            fix="split the log-sum-exp's input the same way on every device of a group",
-        ))
-    transfers: list[Transfer] = []
-    back: list[Transfer] = []
-    for d in sorted(dst):
-        need = dst[d].box
-        count = max(p.partial[1] for p in src.values())
-        for term in range(count):
-            sources = [s for s in sorted(src, key=lambda s: (s != d, s))
-                       if count == 1 or src[s].partial == (term, count)]
-            covered: list[Box] = []
-            for s in sources:
-                region = _intersect(src[s].box, need)
-                if region is None or any(_intersect(region, c) == region for c in covered):
-                    continue
-                covered.append(region)
-                transfers.append(Transfer(s, d, _local(region, src[s].box), _local(region, need),
-                                          add=count > 1))
-        for s in sorted(src):
-            region = _intersect(src[s].box, need)
-            if region is not None:
-                back.append(Transfer(d, s, _local(region, need), _local(region, src[s].box), add=True))
-    replicas: dict[tuple, int] = {}
-    for n in dst.values():
-        replicas[(n.box, n.piece_id)] = replicas.get((n.box, n.piece_id), 0) + 1
-    scale = tuple((d, 1.0 / replicas[(n.box, n.piece_id)]) for d, n in sorted(dst.items())
-                  if replicas[(n.box, n.piece_id)] > 1)
-    shapes = tuple((d, tuple(b - a for a, b in dst[d].box)) for d in sorted(dst))
-    result = {d: Piece(dst[d].box) for d in dst}
-    return Derivation([P2P(tuple(transfers), shapes, tuple(back), scale)], (), result)
+    return Derivation([transfers(shape, src, dst)], (), {d: Piece(dst[d].box) for d in dst})

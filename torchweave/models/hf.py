@@ -72,3 +72,39 @@ def hf_llama(
         attn_implementation=attn_implementation,
     )
     return HFCausalLM(tf.LlamaForCausalLM(cfg))
+
+
+class HFNextToken(HFCausalLM):
+    """Wraps a Hugging Face causal LM for next-token targets (a train config's data:
+    ``targets[t]`` is the token after ``input_ids[t]``); forward returns the mean
+    cross-entropy of the model's logits against them."""
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def hf_causal_lm(name: str, config: dict[str, Any]) -> HFNextToken:
+    """A ``transformers`` causal LM by class name (``LlamaForCausalLM``), built from
+    ``config`` (the fields of its config class) with fresh weights: nothing is
+    downloaded, and only a class ``transformers`` exports whose name ends in
+    ``ForCausalLM`` or ``LMHeadModel`` is looked up (a config names a model, it never
+    runs code). The KV cache is off, since training does not use it."""
+    from torchweave.errors import Problem, TorchweaveError
+
+    tf = _transformers()
+    causal = name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+    cls = getattr(tf, name, None) if name.isidentifier() and causal else None
+    if not (isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel)):
+        known = sorted(n for n in dir(tf) if n.endswith("ForCausalLM"))[:8]
+        raise TorchweaveError(Problem(
+            obj="model.hf", value=repr(name),
+            rule="a causal LM class of transformers (its name ends in ForCausalLM or LMHeadModel)",
+            fix=f"e.g. {', '.join(known)}"))
+    try:
+        cfg = cls.config_class(**{**config, "use_cache": False})
+    except (TypeError, ValueError) as e:
+        raise TorchweaveError(Problem(obj="model.config", value=repr(config),
+                                      rule=f"fields of {cls.config_class.__name__} ({e})")) from None
+    return HFNextToken(cls(cfg))
+

@@ -34,11 +34,22 @@ def _arch(name: str, kwargs: dict[str, Any]) -> torch.nn.Module:
 def build_model(cfg: ModelConfig, *, vocab_size: int | None, seq_len: int) -> torch.nn.Module:
     """The model a config names, built under the caller's seed.
 
-    ``gpt`` and ``llama`` take ``kwargs`` (``n_layer``, ``d_model``...), and get
+    ``hf`` names a transformers causal LM built from ``config``
+    (:func:`torchweave.models.hf.hf_causal_lm`). ``gpt`` and ``llama`` take ``kwargs`` (``n_layer``, ``d_model``...), and get
     ``vocab_size`` from the dataset and a ``block_size`` of at least ``seq_len``
     unless given. A bundled factory name (``gpt-tiny``...) or ``module:function``
     may return a module or ``(module, example_inputs)``.
     """
+    if cfg.hf is not None:
+        from torchweave.models.hf import hf_causal_lm
+
+        config = dict(cfg.config)
+        if vocab_size is not None:
+            config.setdefault("vocab_size", vocab_size)
+        try:
+            return hf_causal_lm(cfg.hf, config)
+        except TorchweaveError as e:
+            raise ConfigError(e.problems) from None
     if cfg.factory in _ARCH:
         kwargs = dict(cfg.kwargs)
         if vocab_size is not None:

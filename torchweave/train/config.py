@@ -34,11 +34,29 @@ class ModelConfig:
     ``package.module:function`` returning a module (and optionally example inputs)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the factory."""
+    hf: str | None = None
+    """A ``transformers`` causal LM by class name (``LlamaForCausalLM``), built from
+    ``config`` with fresh weights, nothing downloaded; its forward returns the loss. In
+    place of ``factory``."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The fields of the ``hf`` model's config class (``hidden_size: 256``...);
+    ``vocab_size`` defaults to the dataset's."""
 
     def __post_init__(self) -> None:
         if not self.factory:
             raise ConfigError(Problem(obj="model.factory", value=repr(self.factory),
                                       rule="a bundled model name or 'module:function'"))
+        if self.hf is not None and not (isinstance(self.hf, str) and self.hf.isidentifier()):
+            raise ConfigError(Problem(obj="model.hf", value=repr(self.hf),
+                                      rule="a transformers class name, e.g. LlamaForCausalLM"))
+        if self.config and self.hf is None:
+            raise ConfigError(Problem(obj="model.config", value=repr(self.config),
+                                      rule="config configures an hf model",
+                                      fix="name the class in model.hf, or use model.kwargs"))
+        bad = [k for k in self.config if not (isinstance(k, str) and k.isidentifier())]
+        if bad:
+            raise ConfigError(Problem(obj="model.config", value=repr(bad),
+                                      rule="keys are field names of the model's config class"))
 
 
 @dataclass(frozen=True, kw_only=True)
