@@ -9,11 +9,12 @@ from torchweave.plan.layout import Mesh
 from torchweave.plan.plan import Plan
 from torchweave.runtime.executor import StepConfig
 from torchweave.runtime.launch import LaunchConfig, spawn as launch
+from torchweave.runtime.optim import ParallelOptimizer, optimizer
 from torchweave.summary import summarize
 from torchweave.verify import verify
 
 __all__ = [
-    "Graph", "LaunchConfig", "Mesh", "Plan", "StepConfig", "TorchweaveError", "capture", "launch",
-    "parallelize", "register_annotation", "register_op", "summarize", "verify",
+    "Graph", "LaunchConfig", "Mesh", "ParallelOptimizer", "Plan", "StepConfig", "TorchweaveError",
+    "capture", "launch", "optimizer", "parallelize", "register_annotation", "register_op", "summarize", "verify",
 ]
 __version__ = "0.1.0"

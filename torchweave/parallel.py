@@ -30,6 +30,7 @@ from torchweave.runtime.executor import (
 )
 from torchweave.runtime.groups import GroupCache
 from torchweave.runtime.pipeline import PipelineModule
+from torchweave.runtime.statedict import StateLayout, state_layout
 
 
 @dataclass
@@ -41,6 +42,10 @@ class Compiled:
     programs: list[Program]
     code_paths: list[str]
     state: dict[str, torch.Tensor]
+    layout: StateLayout | None = None
+    """The model's state_dict names and where each piece lives (for ``pm.state_dict()``)."""
+    example_shapes: tuple[tuple[int, ...] | None, ...] | None = None
+    """The shape of each example input (``pm(*batch)`` checks the batch against it)."""
 
     def zero_group(self, rank: int) -> tuple[int, ...] | None:
         if not self.plan.zero:
@@ -163,7 +168,10 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     if only_rank in (None, 0):
         with open(os.path.join(code_dir, "plan.json"), "w") as f:
             f.write(resolved.to_json())
-    return Compiled(graph, resolved, programs, paths, model_state(model, graph))
+    state = model_state(model, graph)
+    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_inputs)
+    return Compiled(graph, resolved, programs, paths, state, state_layout(model, programs, state),
+                    shapes)
 
 
 def _check_zero3_order(plan: Plan, programs: list[Program]) -> None:
@@ -191,9 +199,11 @@ def rank_module(compiled: Compiled, gc: GroupCache, *, optimizer: OptimizerFacto
     cls = PipelineModule if compiled.plan.pipeline is not None else RankModule
     if cls is RankModule:  # the plan's accum, merged with the step's by compile_plan
         config = dataclasses.replace(config, grad_accum=compiled.plan.accum)
-    return cls(compiled.programs[rank], compiled.code_paths[rank], compiled.state, gc,
-                      optimizer=optimizer, config=config, zero=compiled.plan.zero,
-                      zero_group=compiled.zero_group(rank))
+    module = cls(compiled.programs[rank], compiled.code_paths[rank], compiled.state, gc,
+                 optimizer=optimizer, config=config, zero=compiled.plan.zero,
+                 zero_group=compiled.zero_group(rank))
+    module.layout, module.example_shapes = compiled.layout, compiled.example_shapes
+    return module
 
 
 def parallelize(
@@ -201,7 +211,11 @@ def parallelize(
     groups: GroupCache | None = None, optimizer: OptimizerFactory = default_optimizer,
     config: StepConfig = StepConfig(), code_dir: str | None = None,
 ) -> RankModule:
-    """This rank's share of ``model`` under ``plan``, with ``train_step(*batch)``.
+    """This rank's share of ``model`` under ``plan``.
+
+    Train it in your own loop (``loss = pm(*batch); loss.backward()`` with
+    :func:`torchweave.optimizer`; pipelined plans: ``loss = pm.step(*batch)``),
+    or with ``pm.train_step(*batch)``, which also steps ``optimizer``.
 
     Call it on every rank of an initialized process group (under
     :func:`torchweave.launch` or torchrun). Every rank compiles the same plan;

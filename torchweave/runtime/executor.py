@@ -15,6 +15,7 @@ from torchweave.codegen.render import read_order
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import ParamSlot, Program
 from torchweave.runtime.gradsync import GradSync
+from torchweave.runtime.user import UserLoop
 from torchweave.runtime.groups import GroupCache
 from torchweave.runtime.zero import ZeroOptimizer
 
@@ -90,8 +91,9 @@ def slice_box(t: torch.Tensor, box) -> torch.Tensor:
     return t[tuple(slice(a, b) for a, b in box)]
 
 
-class RankModule:
-    """One rank's share of the parallel model, with ``train_step(*batch)``."""
+class RankModule(UserLoop):
+    """One rank's share of the parallel model: ``train_step(*batch)``, or the user's own loop
+    (``pm(*batch)``, ``loss.backward()``; :mod:`torchweave.runtime.user`)."""
 
     def __init__(self, program: Program, code_path: str, state: dict[str, torch.Tensor],
                  gc: GroupCache, *, optimizer: OptimizerFactory = default_optimizer,
@@ -178,6 +180,17 @@ class RankModule:
             self.clip(self.config.clip_grad_norm)
         return self.loss_value(total / k)
 
+    def set_optimizer(self, factory: OptimizerFactory) -> None:
+        """Build this rank's optimizers anew with ``factory`` (ZeRO's shard and the other pieces)."""
+        if self.opt is not None:
+            self.opt.inner = factory([self.opt.master])
+        rest = [p for p, _ in self.trainable if self.opt is None or not self.opt.owns(p)]
+        self.optimizer = factory(rest) if rest else None
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.opt.inner if self.opt is not None else None, self.optimizer)
+                if o is not None]
+
     def optimizer_step(self) -> None:
         if self.opt is not None:
             self.opt.step()
@@ -228,3 +241,14 @@ class RankModule:
         grads = self.opt.full_grads(self.params) if self.opt is not None else {
             k: v.grad for k, v in self.params.items()}
         return {path: (self.slots[path].box, g) for path, g in grads.items()}
+
+    def load_pieces(self, fulls: dict[str, torch.Tensor]) -> None:
+        """Set each piece this rank holds from whole tensors by path (absent paths stay)."""
+        with torch.no_grad():
+            for path, t in self.params.items():
+                if path in fulls and (self.opt is None or not self.opt.owns(t)):
+                    t.copy_(slice_box(fulls[path], self.slots[path].box))
+            if self.opt is not None:
+                boxes = {path: self.slots[path].box for path in self.params}
+                self.opt.load_pieces(self.params, {
+                    path: slice_box(full, boxes[path]) for path, full in fulls.items() if path in boxes})

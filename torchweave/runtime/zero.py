@@ -181,7 +181,10 @@ class ZeroOptimizer:
             reduce_scatter_single(mine, rows.reshape(-1).contiguous(), group=self.pg)
         for p in self.owned:
             p.grad = None
-        self.master.grad = mine
+        if self.master.grad is None:
+            self.master.grad = mine
+        else:  # a second backward before the step (the user's own loop) adds to the first
+            self.master.grad.add_(mine)
 
     def grad_sq_norm(self) -> torch.Tensor:
         """This member's share of the squared global norm (the caller sums over the world)."""
@@ -200,9 +203,10 @@ class ZeroOptimizer:
         if self.master.grad is not None:
             self.master.grad.mul_(factor)
 
-    def step(self) -> None:
+    def step(self, zero_grad: bool = True) -> None:
         self.inner.step()
-        self.inner.zero_grad(set_to_none=True)
+        if zero_grad:
+            self.inner.zero_grad(set_to_none=True)
         if self.stage == 3:
             return
         rows = self._gather_rows(self.master.detach())
@@ -217,6 +221,20 @@ class ZeroOptimizer:
                                flat.numel() * flat.element_size())
         all_gather_single(flat, chunk.contiguous(), group=self.pg)
         return flat.view(self.size, self.layout.total)
+
+    def load_pieces(self, params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+        """Set the owned pieces (path → new value; absent ones keep theirs) and their master shard."""
+        paths = {id(p): path for path, p in params.items()}
+        owned = [paths[id(p)] for p in self.owned]
+        if any(path not in values for path in owned):
+            current = self.full_params(params)
+            values = {**{path: current[path] for path in owned}, **values}
+        rows = self.layout.to_rows([values[path].to(self.master.device) for path in owned])
+        with torch.no_grad():
+            self.master.copy_(rows[self.index])
+            if self.stage < 3:
+                for p, path in zip(self.owned, owned):
+                    p.copy_(values[path])
 
     # ------------------------------------------------------------ inspection
     def full_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

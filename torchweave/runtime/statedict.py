@@ -1,0 +1,187 @@
+"""A parallel module's state under the original model's names: whole, or as DCP shards.
+
+Every rank holds pieces (boxes) of some parameters; several ranks may hold the
+same piece. :class:`StateLayout`, built once from every rank's program, names
+for each parameter its distinct pieces and the first rank holding each (its
+*owner*). A whole tensor is rebuilt by one sum over the world in which only
+owners write (so it is exact); a sharded entry is a ``ShardedTensor`` whose
+shards are the owned pieces, which ``torch.distributed.checkpoint`` writes
+and reads, and can load into a plain model's whole ``state_dict()``.
+
+(``ShardedTensor`` rather than ``DTensor``: a plan's pieces need not be an even
+split over a device mesh, and ``ShardedTensor`` takes any set of boxes. Its
+deprecation warning comes from PyTorch.)
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.lower.program import Program
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass
+class StateLayout:
+    """Where each parameter's pieces live, and the model's own ``state_dict`` names."""
+
+    pieces: dict[str, list[tuple[Box, int]]]
+    """Path → each distinct piece and the first rank holding it."""
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    keys: dict[str, str]
+    """The model's ``state_dict`` key → the path the ranks hold (tied weights: one path)."""
+    fixed: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Keys no rank holds (state the graph never reads): their value as given."""
+
+
+def state_layout(model: torch.nn.Module, programs: Iterable[Program],
+                 state: dict[str, torch.Tensor]) -> StateLayout:
+    held: dict[str, dict[Box, int]] = {}
+    for prog in programs:
+        for slot in prog.params:
+            box = tuple((int(a), int(b)) for a, b in slot.box)
+            held.setdefault(slot.path, {}).setdefault(box, prog.rank)
+    own = model.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for k, v in own.items():
+        names.setdefault(id(v), []).append(k)
+    keys, fixed = {}, {}
+    for k, v in own.items():
+        path = k if k in held else next((a for a in names[id(v)] if a in held), None)
+        if path is None:
+            fixed[k] = v.detach().cpu()
+        else:
+            keys[k] = path
+    paths = set(keys.values())
+    return StateLayout(
+        pieces={p: sorted(held[p].items()) for p in paths},
+        shapes={p: tuple(state[p].shape) for p in paths},
+        dtypes={p: state[p].dtype for p in paths}, keys=keys, fixed=fixed)
+
+
+def _box(t: torch.Tensor, box: Box) -> torch.Tensor:
+    return t[tuple(slice(a, b) for a, b in box)]
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A dtype the world sum takes exactly (every backend sums float32, float64 and int64)."""
+    if dtype in (torch.float32, torch.float64, torch.int64):
+        return dtype
+    return torch.float64 if dtype.is_floating_point or dtype == torch.bool else torch.int64
+
+
+def _whole(layout: StateLayout, path: str, mine: dict[Box, torch.Tensor], device: Any) -> torch.Tensor:
+    """The whole tensor from the owned pieces of every rank (a sum over the world)."""
+    dtype = layout.dtypes[path]
+    full = torch.zeros(layout.shapes[path], dtype=_sum_dtype(dtype), device=device)
+    for box, t in mine.items():
+        _box(full, box).copy_(t)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(full)
+    return full.to(dtype).cpu()
+
+
+def full_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: int,
+               device: Any) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    done: dict[str, torch.Tensor] = {}
+    for key, path in layout.keys.items():  # the same order on every rank
+        if path not in done:
+            mine = {box: pieces[path] for box, owner in layout.pieces[path] if owner == rank}
+            done[path] = _whole(layout, path, mine, device)
+        out[key] = done[path]
+    out.update({k: v.clone() for k, v in layout.fixed.items()})
+    return out
+
+
+def _placement(rank: int, device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"rank:{rank}/cuda:{rank % max(torch.cuda.device_count(), 1)}"
+    return f"rank:{rank}/{device.type}"
+
+
+def sharded_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata, TensorProperties,
+    )
+
+    out: dict[str, Any] = {}
+    done: dict[str, Any] = {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for key, path in layout.keys.items():
+        if path not in done:
+            t = pieces[path]
+            metas = [ShardMetadata([a for a, _ in box], [b - a for a, b in box],
+                                   _placement(owner, t.device))
+                     for box, owner in layout.pieces[path]]
+            local = [Shard(t.detach(), m) for (box, owner), m in zip(layout.pieces[path], metas)
+                     if owner == rank]
+            owners = {owner for _, owner in layout.pieces[path]}
+            if t.dim():  # ranks that own no piece hold an empty one (ShardedTensor asks a
+                # rank's shards for its device, and every rank must build the same metadata),
+                # placed at the tensor's end: DCP takes chunks at one offset for copies of one
+                end = list(layout.shapes[path])
+                for r in sorted(set(range(world)) - owners):
+                    metas.append(ShardMetadata(end, [0] * t.dim(), _placement(r, t.device)))
+                    if r == rank:
+                        local = [Shard(t.detach().new_empty([0] * t.dim()), metas[-1])]
+            meta = ShardedTensorMetadata(metas, torch.Size(layout.shapes[path]),
+                                         TensorProperties(dtype=t.dtype))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                done[path] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+        out[key] = done[path]
+    out.update({k: v.clone() for k, v in layout.fixed.items()})
+    return out
+
+
+def load_full(layout: StateLayout, state: dict[str, Any], *, strict: bool, rank: int,
+              device: Any) -> dict[str, torch.Tensor]:
+    """Path → whole tensor, from whole tensors or the ShardedTensors of :func:`sharded_state`."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    known = set(layout.keys) | set(layout.fixed)
+    problems = []
+    if strict:
+        missing = [k for k in layout.keys if k not in state]
+        unexpected = [k for k in state if k not in known]
+        if missing:
+            problems.append(Problem(obj="load_state_dict", value=f"missing keys {missing[:5]}",
+                                    rule="every parameter and buffer of the model is given",
+                                    fix="pass the model's whole state_dict, or strict=False"))
+        if unexpected:
+            problems.append(Problem(obj="load_state_dict", value=f"unexpected keys {unexpected[:5]}",
+                                    rule="keys are the model's own state_dict names",
+                                    fix="drop them, or pass strict=False"))
+    for key, path in layout.keys.items():
+        v = state.get(key)
+        if v is not None and tuple(v.size()) != layout.shapes[path]:
+            problems.append(Problem(obj=f"state {key!r}", value=f"shape {tuple(v.size())}",
+                                    rule=f"the model's {key} has shape {layout.shapes[path]}",
+                                    fix="load a state of this model"))
+    if problems:
+        raise TorchweaveError(problems)
+    out: dict[str, torch.Tensor] = {}
+    for key, path in layout.keys.items():
+        v = state.get(key)
+        if v is None or path in out:
+            continue
+        if isinstance(v, ShardedTensor):
+            mine = {}
+            for shard in v.local_shards():
+                m = shard.metadata
+                mine[tuple((o, o + n) for o, n in zip(m.shard_offsets, m.shard_sizes))] = shard.tensor
+            out[path] = _whole(layout, path, mine, device)
+        else:
+            out[path] = v.detach()
+    return out

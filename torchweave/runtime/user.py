@@ -1,0 +1,257 @@
+"""The user's own training loop: a parallel module that behaves like the model.
+
+::
+
+    pm = torchweave.parallelize(model, example_batch, plan="zero2")
+    opt = torchweave.optimizer(pm, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: ...)
+    for batch in data:
+        loss = pm(*batch)           # the global loss, autograd intact
+        loss.backward()             # the plan's backward, then its gradient sync
+        opt.clip_grad_norm_(1.0)
+        opt.step(); sched.step(); opt.zero_grad()
+
+``pm(*batch)`` runs this rank's generated forward and returns the loss of the
+whole batch (the same value on every rank) through one autograd node,
+:class:`_Loss`. Its backward hands the local loss term the incoming gradient
+(and the point-to-point tokens theirs), and queues the gradient sync to run
+when the autograd engine has finished the whole backward pass, as DDP does.
+
+Gradients accumulate as in PyTorch: several backward passes before a step add
+up. Under :meth:`UserLoop.no_sync` the sum over ranks is skipped (gradients
+stay local) until the next backward outside it. Gradients already summed over
+ranks are set aside before the next pass and added back after its sum, so a
+sum is never summed again.
+
+Pipelined plans keep a step API, as ``torch.distributed.pipelining`` does:
+``pm.step(*batch)`` runs every micro-batch's forward and backward and returns
+the loss; the same optimizer applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.runtime.statedict import StateLayout, full_state, load_full, sharded_state
+
+if TYPE_CHECKING:
+    from torchweave.runtime.executor import RankModule
+
+
+class _Loss(torch.autograd.Function):
+    """Local loss term (and tokens) → the global loss; backward passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, module: "UserLoop", anchor: torch.Tensor,
+                local: torch.Tensor | None, *tokens: torch.Tensor) -> torch.Tensor:
+        ctx.module, ctx.done = module, False
+        ctx.local = None if local is None else (local.shape, local.dtype)
+        ctx.tokens = [(t.shape, t.dtype, t.device) for t in tokens]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        module: UserLoop = ctx.module
+        if ctx.done:
+            raise TorchweaveError(Problem(
+                obj="loss.backward()", value="called a second time on the same loss",
+                rule="each forward's backward runs once: its gradient sync (and, under ZeRO-3, "
+                     "its reduce-scatters) have already run",
+                fix="call pm(*batch) again for another backward pass"))
+        ctx.done = True
+        torch.autograd.Variable._execution_engine.queue_callback(module._after_backward)
+        local = None if ctx.local is None else grad.to(ctx.local[1]).expand(ctx.local[0])
+        tokens = [torch.ones(s, dtype=d, device=v) if s.numel() else torch.zeros(s, dtype=d, device=v)
+                  for s, d, v in ctx.tokens]
+        return (None, None, None, local, *tokens)
+
+
+class UserLoop:
+    """What :class:`~torchweave.runtime.executor.RankModule` offers the user's own loop."""
+
+    training = True
+    layout: StateLayout | None = None
+    example_shapes: tuple[tuple[int, ...] | None, ...] | None = None
+    _no_sync = False
+    _synced = False
+    """The gradients held now are sums over ranks (until the next zero_grad)."""
+    _set_aside: dict[int, torch.Tensor] | None = None
+    _optimizer: Any = None
+    _syncing = False
+
+    # ------------------------------------------------------------ like nn.Module
+    def __call__(self: "RankModule", *batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` (every rank gets the same value); ``backward()`` on it trains."""
+        if self.program.segments:
+            raise TorchweaveError(Problem(
+                obj=f"plan {self.program.plan_name!r}", value="pm(*batch)",
+                rule="a pipelined plan runs all its micro-batches' forwards and backwards in "
+                     "one schedule, so its forward cannot return before the backward",
+                fix="call loss = pm.step(*batch), then opt.step()"))
+        if self.config.grad_accum != 1:
+            raise TorchweaveError(Problem(
+                obj="plan accum", value=str(self.config.grad_accum),
+                rule="pm(*batch) runs one forward; your loop does the accumulation",
+                fix="drop accum= from the plan and call backward on each micro-batch under "
+                    "pm.no_sync() but the last"))
+        self._check_shapes(batch)
+        if not torch.is_grad_enabled():
+            return self._value(self.forward(*batch))
+        self._begin_backward()
+        local = self.forward(*batch)
+        value = self._value(local)
+        anchor = torch.zeros((), requires_grad=True)
+        tokens = [t for t in self.rt.tokens if t.requires_grad]
+        if local is not None and not local.requires_grad:
+            local = None
+        return _Loss.apply(value, self, anchor, local, *tokens)
+
+    def step(self: "RankModule", *batch: Any) -> float:
+        """Forward and backward over the plan's micro-batches, then the gradient sync; the loss.
+
+        The optimizer step is the caller's (``opt.step()``). This is how pipelined
+        plans train in the user's loop; it works for every plan.
+        """
+        self._check_shapes(batch)
+        self._begin_backward()
+        self._syncing = True
+        loss = self.backward_step(*batch)
+        self._restore_set_aside()
+        return loss
+
+    def _value(self: "RankModule", local: torch.Tensor | None) -> torch.Tensor:
+        """The global loss as a tensor: float32 (float64 for a float64 model)."""
+        dtype = torch.float64 if local is not None and local.dtype == torch.float64 else torch.float32
+        value = self.loss_value(float(local.detach()) if local is not None else 0.0)
+        return torch.tensor(value, dtype=dtype, device=self.rt.device)
+
+    def train(self, mode: bool = True) -> "UserLoop":
+        self.training = mode
+        return self
+
+    def eval(self) -> "UserLoop":
+        """Evaluation: run ``pm(*batch)`` under ``torch.no_grad()`` (the graph is the one captured)."""
+        return self.train(False)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip the gradient sum over ranks, as DDP's ``no_sync``.
+
+        The next backward outside sums everything accumulated. Under ZeRO-3 every
+        backward reduce-scatters (the full gradients are not kept), so this saves
+        nothing there, and changes nothing in the result.
+        """
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    # ------------------------------------------------------------ gradients
+    def _begin_backward(self: "RankModule") -> None:
+        if self._synced:  # summed gradients: keep them out of the next sum
+            self._set_aside = {id(p): p.grad for b in self.sync.buckets for p in b.params
+                               if p.grad is not None}
+            for b in self.sync.buckets:
+                for p in b.params:
+                    p.grad = None
+            self._synced = False
+        self._syncing = not self._no_sync
+        self.sync.enabled = self._syncing
+
+    def _after_backward(self: "RankModule") -> None:
+        """End of a backward pass (queued on the autograd engine): the gradient sync."""
+        if not self._syncing:
+            if self.opt is not None and self.opt.stage3 is not None:
+                self.opt.stage3.finish_grads()  # its reduce-scatters ran anyway: wait for them
+            return
+        self.sync.finish()
+        if self.opt is not None:
+            self.opt.finish_grads()
+        self._restore_set_aside()
+
+    def _restore_set_aside(self: "RankModule") -> None:
+        if self._set_aside:
+            for b in self.sync.buckets:
+                for p in b.params:
+                    old = self._set_aside.get(id(p))
+                    if old is not None:
+                        p.grad = old if p.grad is None else p.grad.add_(old)
+        self._set_aside = None
+        self._synced = True
+
+    def zero_grads(self: "RankModule") -> None:
+        """Drop every gradient this rank holds (pieces, and ZeRO's master shard)."""
+        for p in self.params.values():
+            p.grad = None
+        if self.opt is not None:
+            self.opt.master.grad = None
+        self._synced, self._set_aside = False, None
+
+    # ------------------------------------------------------------ checks
+    def _check_shapes(self, batch: tuple[Any, ...]) -> None:
+        want = self.example_shapes
+        if want is None:
+            return
+        if len(batch) != len(want):
+            raise TorchweaveError(Problem(
+                obj="pm(*batch)", value=f"{len(batch)} inputs",
+                rule=f"the batch has the example's {len(want)} inputs",
+                fix="pass the inputs the model was parallelized with"))
+        for i, (x, shape) in enumerate(zip(batch, want)):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else None
+            if got != shape:
+                raise TorchweaveError(Problem(
+                    obj=f"input {i}", value=f"shape {got}",
+                    rule=f"the plan was captured and split for shape {shape}; it runs that shape only",
+                    fix=f"parallelize with an example batch of shape {got}, or pad or batch the "
+                        f"data to {shape}"))
+
+    # ------------------------------------------------------------ state
+    def state_dict(self: "RankModule", *, full: bool = False) -> dict[str, Any]:
+        """The model's state under its own parameter names (a collective: call on every rank).
+
+        ``full=True``: whole tensors, on every rank. Otherwise each entry is a
+        ``ShardedTensor`` of the pieces this rank holds (each piece once over the
+        world), which ``torch.distributed.checkpoint`` saves and loads directly,
+        also into a plain model's full ``state_dict()``.
+        """
+        layout = self._layout()
+        pieces = {path: t for path, (_, t) in self.state_pieces().items()}
+        if full:
+            return full_state(layout, pieces, self.rt.gc.rank, self.rt.device)
+        return sharded_state(layout, pieces, self.rt.gc.rank)
+
+    def load_state_dict(self: "RankModule", state: dict[str, Any], strict: bool = True) -> None:
+        """Load whole tensors, or the ``ShardedTensor`` entries of :meth:`state_dict`."""
+        layout = self._layout()
+        fulls = load_full(layout, state, strict=strict, rank=self.rt.gc.rank, device=self.rt.device)
+        self.load_pieces(fulls)
+
+    def _layout(self) -> StateLayout:
+        if self.layout is None:
+            raise TorchweaveError(Problem(
+                obj="state_dict", value="a module built without its plan's layout",
+                rule="the state under the model's names needs every rank's pieces",
+                fix="build the module with torchweave.parallelize"))
+        return self.layout
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(plan={self.program.plan_name!r}, rank={self.program.rank})"
+
+
+def attached(module: Any) -> "RankModule":
+    """``module`` if it is a parallel module; a clear error otherwise."""
+    from torchweave.runtime.executor import RankModule
+
+    if not isinstance(module, RankModule):
+        raise TorchweaveError(Problem(
+            obj="torchweave.optimizer", value=f"a {type(module).__name__}",
+            rule="the optimizer is built on the module torchweave.parallelize returned",
+            fix="pm = torchweave.parallelize(model, batch, plan=...); "
+                "opt = torchweave.optimizer(pm, torch.optim.AdamW, lr=...)"))
+    return module
