@@ -64,3 +64,11 @@ def saved_bytes(module, inputs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module.forward(*inputs)
     return sum(seen.values())
+
+
+@pytest.fixture
+def in_tmp_dir(tmp_path, monkeypatch):
+    """Run in a fresh directory: commands that write files there by default (simulate's and
+    explain's Gantt charts) leave nothing in the checkout."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

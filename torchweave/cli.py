@@ -13,6 +13,8 @@ from rich.markup import escape
 from torchweave.errors import Problem, TorchweaveError
 
 
+GANTT_HELP = ("write the Gantt chart here (default: MODEL-PLAN.gantt.png in the current directory "
+              "when matplotlib is installed; the plot extra)")
 PLAN_HELP = ("a plan string, POLICY[:KEY=VALUE,...] (dp, zero3:recompute=full, tp:tp=4,zero=1, "
              "1f1b:tp=2,dp=2,micro=8, interleaved:pp=4,virtual=2,recompute=selective), auto "
              "(auto:preset=megatron: searched), or a plan.json")
@@ -195,7 +197,8 @@ def _add_sim_commands(sub) -> None:
     sim.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                      help="compute dtype (bf16: mixed precision; default: the model's)")
     sim.add_argument("--trace", metavar="OUT_JSON", help="write the timeline as Chrome trace JSON")
-    sim.add_argument("--gantt", metavar="OUT_PNG", help="write a Gantt chart (needs matplotlib)")
+    sim.add_argument("--gantt", metavar="OUT_PNG", help=GANTT_HELP)
+    sim.add_argument("--no-gantt", action="store_true", help="write no Gantt chart")
     sim.add_argument("--json", metavar="OUT_JSON",
                      help="write each plan's numbers as JSON (a list: plan string, step time, "
                      "memory per rank, MFU, tokens/s, ...)")
@@ -214,6 +217,8 @@ def _add_sim_commands(sub) -> None:
     exp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"))
     exp.add_argument("--top", type=int, default=5, help="how many top costs and differences")
     exp.add_argument("--all", action="store_true", help="show every op")
+    exp.add_argument("--gantt", metavar="OUT_PNG", help=GANTT_HELP)
+    exp.add_argument("--no-gantt", action="store_true", help="write no Gantt chart")
     exp.set_defaults(run=commands.explain_cmd)
     cal = sub.add_parser("calibrate", help="measure this machine (matmul, copy, gloo collectives) "
                          "and save a cluster YAML that --cluster accepts")

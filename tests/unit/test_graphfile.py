@@ -13,6 +13,8 @@ from torchweave.graphfile import GraphFileError, graph_from_json, graph_to_json
 from torchweave.policies import resolve
 from torchweave.sim import parse_cluster, simulate
 
+pytestmark = pytest.mark.usefixtures("in_tmp_dir")  # default Gantt charts land there
+
 
 def _same(a, b) -> None:
     assert [(n.name, n.target, n.args, n.kwargs, n.outputs, n.annotation, n.module)

@@ -15,6 +15,8 @@ from torchweave.search.intra import describe, price, solve, tp_dims
 from torchweave.sim import parse_cluster
 from torchweave.sim.hardware.devices import Link
 
+pytestmark = pytest.mark.usefixtures("in_tmp_dir")  # default Gantt charts land there
+
 
 @functools.lru_cache(maxsize=None)
 def _gpt(layers: int = 4, d: int = 256, heads: int = 8, batch: int = 16, seq: int = 64,

@@ -10,6 +10,8 @@ import pytest
 from torchweave.cli import main
 from torchweave.sim import CATALOG, load_cluster_yaml
 
+pytestmark = pytest.mark.usefixtures("in_tmp_dir")  # default Gantt charts land there
+
 
 def test_simulate_tp_prints_summary_and_writes_trace(tmp_path, capsys) -> None:
     trace = tmp_path / "tp.json"
@@ -376,3 +378,14 @@ def test_coshard_from_the_command_line(tmp_path, capsys) -> None:
     assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp:coshard=mlp:x"]) == 2
     err = capsys.readouterr()
     assert "coshard is K" in err.out + err.err
+
+
+def test_simulate_and_explain_draw_the_gantt_chart_by_default(in_tmp_dir, capsys) -> None:
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "tp"]) == 0
+    assert main(["explain", "zero3", "gpt-tiny", "--cluster", "2xA100-80GB-SXM"]) == 0
+    out = capsys.readouterr().out
+    for name in ("gpt-tiny-tp.gantt.png", "gpt-tiny-zero3.gantt.png"):
+        assert (in_tmp_dir / name).read_bytes()[:4] == b"\x89PNG" and f"wrote {name}" in out
+    assert main(["simulate", "gpt-tiny", "--cluster", "2xA100-80GB-SXM", "--plan", "dp",
+                 "--no-gantt"]) == 0
+    assert not (in_tmp_dir / "gpt-tiny-dp.gantt.png").exists()

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from torchweave.commands.sim import (
-    GiB, Setup, _capture, _dtype, _mib, _ms, _plan_for, _sim, load_cluster,
+    GiB, Setup, _capture, _dtype, _mib, _ms, _plan_for, _sim, gantt_path, load_cluster, write_gantt,
 )
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.sim.hardware.comm import BUCKET_BYTES
@@ -135,6 +135,7 @@ def explain_cmd(args: argparse.Namespace, console: Console) -> int:
     _op_table(mine, console, limit=None if args.all else 60)
     _top_costs(mine, console, k=args.top)
     fits = _fit(mine, cluster, console)
+    write_gantt(mine.result, gantt_path(args, plan.name), console)
     if args.vs:
         other_plan = _plan_for(args.vs, graph, cluster, plan.world_size)
         other = explain_plan(Setup(graph, other_plan, cluster, dtype))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,7 +246,7 @@ def _ranking(rows: list, cluster, console: Console) -> None:
 
 def _simulate_one(args: argparse.Namespace, console: Console, setup: Setup):
     """Simulate and print one plan (its trace and Gantt chart if asked); the result."""
-    from torchweave.sim.explain.trace import save_gantt_png, to_chrome_trace
+    from torchweave.sim.explain.trace import to_chrome_trace
 
     cluster = setup.cluster
     result = _sim(setup, profiles=_profiles(setup, console) if getattr(args, "profile", False) else None)
@@ -267,13 +268,40 @@ def _simulate_one(args: argparse.Namespace, console: Console, setup: Setup):
         with open(args.trace, "w") as f:
             json.dump(to_chrome_trace(result), f)
         console.print(f"wrote {args.trace} (open in https://ui.perfetto.dev)", highlight=False)
-    if args.gantt:
-        try:
-            save_gantt_png(result, args.gantt)
-            console.print(f"wrote {args.gantt}", highlight=False)
-        except TorchweaveError as exc:
-            console.print(f"no Gantt chart: {exc}", highlight=False, markup=False)
+    write_gantt(result, gantt_path(args, setup.plan.name), console)
     return result
+
+
+def gantt_path(args: argparse.Namespace, plan: str) -> str | None:
+    """Where the Gantt chart goes: ``--gantt PATH``; none under ``--no-gantt``; by default
+    ``<model>-<plan>.gantt.png`` in the current directory when matplotlib is installed."""
+    if getattr(args, "no_gantt", False):
+        return None
+    if getattr(args, "gantt", None):
+        return args.gantt
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    name = Path(str(args.model)).name.removesuffix(".graph.json").removesuffix(".py")
+    return f"{_slug(name)}-{_slug(plan)}.gantt.png"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_") or "plan"
+
+
+def write_gantt(result: Any, path: str | None, console: Console) -> None:
+    from torchweave.sim.explain.trace import save_gantt_png
+
+    if path is None:
+        return
+    try:
+        save_gantt_png(result, path)
+        console.print(f"wrote {path} (Gantt chart; --no-gantt skips it)", highlight=False,
+                      markup=False)
+    except TorchweaveError as exc:
+        console.print(f"no Gantt chart: {exc}", highlight=False, markup=False)
 
 
 LEANEST = "zero3:recompute=full"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,13 @@ from torchweave.errors import Problem, SimError
 from torchweave.sim.explain.result import SimResult
 
 _TID = {"compute": 0, "comm": 1}
+_COLORS = {"compute": "tab:blue", "F": "tab:blue", "R": "tab:purple", "B": "tab:red",
+           "I": "tab:red", "W": "tab:green", "comm": "tab:orange"}
+"""Bar colours: a pipeline action by its kind (forward, re-forward, backward, input and weight
+gradients), otherwise by stream."""
+_LABELS = {"compute": "compute", "F": "forward", "R": "recompute", "B": "backward",
+           "I": "input grad", "W": "weight grad", "comm": "communication"}
+_ACTION = re.compile(r"^\d+([FRBIW])\d+")
 
 
 def to_chrome_trace(result: SimResult) -> dict[str, Any]:
@@ -33,6 +41,14 @@ def to_chrome_trace(result: SimResult) -> dict[str, Any]:
                           "step_time_s": result.step_time}}
 
 
+def _kind(e: Any) -> str:
+    """A pipeline action's kind from its name (``0F3``: stage 0, forward, micro-batch 3)."""
+    if e.stream == "compute":
+        m = _ACTION.match(e.name)
+        return m.group(1) if m else "compute"
+    return "comm"
+
+
 def save_gantt_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) -> Path:
     """A Gantt chart of the first ``max_ranks`` ranks (two rows each) as a PNG."""
     try:
@@ -45,17 +61,22 @@ def save_gantt_png(result: SimResult, path: str | Path, *, max_ranks: int = 16) 
                                rule="the PNG Gantt chart is drawn with matplotlib",
                                fix="pip install matplotlib (or use to_chrome_trace and Perfetto)")) from None
     ranks = sorted({e.rank for e in result.timeline})[:max_ranks]
-    row = {(r, s): i for i, (r, s) in enumerate((r, s) for r in ranks for s in _TID)}
-    fig, ax = plt.subplots(figsize=(12, 0.4 * len(row) + 1.2))
-    colors = {"compute": "tab:blue", "comm": "tab:orange"}
-    for stream in _TID:
-        bars: dict[int, list[tuple[float, float]]] = {}
-        for e in result.timeline:
-            if e.stream == stream and (e.rank, stream) in row:
-                bars.setdefault(row[(e.rank, stream)], []).append((e.start * 1e3, (e.end - e.start) * 1e3))
-        for y, spans in bars.items():
-            ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[stream], linewidth=0)
-    ax.set_yticks(list(row.values()), [f"rank {r} {s}" for r, s in row])
+    streams = [s for s in _TID if any(e.stream == s for e in result.timeline)]  # no empty rows
+    row = {(r, s): i for i, (r, s) in enumerate((r, s) for r in ranks for s in streams)}
+    fig, ax = plt.subplots(figsize=(12, 0.4 * len(row) + 1.6))
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for e in result.timeline:
+        if (e.rank, e.stream) in row:
+            bars.setdefault((row[(e.rank, e.stream)], _kind(e)), []).append(
+                (e.start * 1e3, (e.end - e.start) * 1e3))
+    for (y, kind), spans in bars.items():
+        ax.broken_barh(spans, (y - 0.4, 0.8), color=_COLORS[kind], linewidth=0)
+    kinds = sorted({k for _, k in bars}, key=list(_COLORS).index)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in kinds],
+              labels=[_LABELS[k] for k in kinds], loc="upper center", ncol=len(kinds),
+              bbox_to_anchor=(0.5, -0.12 if len(row) > 4 else -0.25), frameon=False)
+    ax.set_yticks(list(row.values()), [f"rank {r} {s}" if len(streams) > 1 else f"rank {r}"
+                                       for r, s in row])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(f"{result.plan_name} on {result.cluster}: step {result.step_time * 1e3:.4g} ms")
