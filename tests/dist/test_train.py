@@ -204,3 +204,18 @@ def test_the_transformers_example_config_trains(tmp_path: Path) -> None:
     assert result.losses[6] < result.losses[1]
     assert (tmp_path / "model.safetensors").exists()
     assert (tmp_path / "loss.png").stat().st_size > 10_000 and "loss.png" in text
+
+
+def test_the_demo_shows_the_runner_up_measured_and_a_text_sample(tmp_path: Path) -> None:
+    from torchweave.commands.train import demo_cmd
+
+    out = io.StringIO()
+    demo_cmd([f"--run_dir={tmp_path}", "--steps=6", "--parallel.world_size=2",
+              "--parallel.global_batch=8", "--model.kwargs.n_layer=1", "--progress=false",
+              "--tensorboard=false"], Console(file=out, width=200))
+    text = out.getvalue()
+    assert "(chosen)" in text and "(runner-up)" in text, text
+    rows = [line for line in text.splitlines() if "(chosen)" in line or "(runner-up)" in line]
+    assert all(line.count(" ms") == 2 for line in rows), rows  # predicted and measured
+    sample = text.split("temperature 0.8):", 1)[1].strip().splitlines()
+    assert sample and sample[0].startswith("Small Stories") and len("".join(sample)) >= 200

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import tempfile
 import time
 from rich.console import Console
 from rich.markup import escape
@@ -11,9 +13,10 @@ from rich.text import Text
 
 from torchweave.runtime.launch import LaunchConfig, RankContext, init_from_env, spawn
 from torchweave.train.auto import Choice
-from torchweave.train.config import TrainConfig, load_config
+from torchweave.train.config import CheckpointConfig, TrainConfig, load_config
 from torchweave.train.loop import RunResult, Trainer
 from torchweave.train.plot import loss_png
+from torchweave.train.sample import sample_text
 
 DEMO = {
     "run_dir": "runs/demo",
@@ -130,23 +133,52 @@ def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float
 
 def run(cfg: TrainConfig, console: Console, *, timeout_s: float = 300.0) -> RunResult | None:
     """Launch ``cfg`` here (N local processes) or join torchrun's job; rank 0 gets the result."""
+    return _run(cfg, console, timeout_s=timeout_s)[0]
+
+
+def _launch(cfg: TrainConfig, timeout_s: float) -> LaunchConfig:
+    return LaunchConfig(world_size=cfg.parallel.world_size, timeout_s=timeout_s,
+                        threads_per_rank=cfg.threads_per_rank)
+
+
+def _run(cfg: TrainConfig, console: Console, *, timeout_s: float = 300.0
+         ) -> tuple[RunResult | None, Choice | None]:
     t0 = time.perf_counter()
     if _under_torchrun():
-        launch = LaunchConfig(world_size=cfg.parallel.world_size, timeout_s=timeout_s,
-                              threads_per_rank=cfg.threads_per_rank)
-        ctx = init_from_env(launch)
+        ctx = init_from_env(_launch(cfg, timeout_s))
         plan, reason, choice = choose(cfg, console if ctx.rank == 0 else None)
         result = _rank_main(ctx, cfg, plan, reason)
         ctx.close()
         if ctx.rank != 0:
-            return None
+            return None, choice
     else:
         plan, reason, choice = choose(cfg, console)
-        launch = LaunchConfig(world_size=cfg.parallel.world_size, timeout_s=timeout_s,
-                              threads_per_rank=cfg.threads_per_rank)
-        result = spawn(_rank_main, launch, cfg, plan, reason)[0]
+        result = spawn(_rank_main, _launch(cfg, timeout_s), cfg, plan, reason)[0]
     summary(result, cfg, console, time.perf_counter() - t0, choice)
-    return result
+    return result, choice
+
+
+def _runner_up(cfg: TrainConfig, choice: Choice, result: RunResult, console: Console,
+               steps: int = 15) -> None:
+    """The search's choice beside its runner-up: predicted, and measured here (the runner-up
+    for ``steps`` steps in a scratch directory)."""
+    ranked = sorted(choice.predicted_s.items(), key=lambda kv: kv[1])
+    if len(ranked) < 2 or _under_torchrun():
+        return
+    other = ranked[1][0]
+    with tempfile.TemporaryDirectory(prefix="torchweave-runner-up-") as tmp:
+        short = dataclasses.replace(cfg, steps=steps, run_dir=tmp, resume=False,
+                                    checkpoint=CheckpointConfig(every=0, keep=1))
+        measured = spawn(_rank_main, _launch(short, 300.0), short, other, "runner-up")[0]
+    table = Table(title=f"the search's choice and its runner-up on {choice.cluster}",
+                  title_justify="left")
+    for col in ("plan", "predicted step", "measured step (median)", "predicted / measured"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for plan, res, note in ((result.plan, result, "chosen"), (other, measured, "runner-up")):
+        p, m = choice.predicted_s.get(plan, 0.0), res.step_time_s
+        table.add_row(Text(f"{plan} ({note})"), f"{p * 1e3:.1f} ms", f"{m * 1e3:.1f} ms",
+                      f"{p / m:.2f}" if m else "-")
+    console.print(table)
 
 
 def train_cmd(config: str | None, overrides: list[str], console: Console) -> int:
@@ -159,10 +191,20 @@ def demo_cmd(overrides: list[str], console: Console) -> int:
     cfg = load_config(None, overrides, base=DEMO)
     console.print("[bold]torchweave demo[/]: a character-level GPT learns the bundled stories "
                   f"on {cfg.parallel.world_size} CPU ranks ({cfg.steps} steps)", markup=True)
-    result = run(cfg, console)
-    if result is not None and result.losses:
-        console.print(f"resume or extend it: torchweave demo --steps={cfg.steps * 2} "
-                      f"(picks up from {result.checkpoint})")
+    result, choice = _run(cfg, console)
+    if result is None or not result.losses:
+        return 0
+    if choice is not None:
+        _runner_up(cfg, choice, result, console)
+    if result.weights:
+        sample = sample_text(cfg, result.weights)
+        if sample is not None:
+            prompt, text = sample
+            console.print(Text.assemble(("sample ", "bold"), "(the trained model continues the "
+                                        "story's first words, temperature 0.8):"))
+            console.print(Text.assemble((prompt, "bold"), text), highlight=False)
+    console.print(f"resume or extend it: torchweave demo --steps={cfg.steps * 2} "
+                  f"(picks up from {result.checkpoint})", highlight=False, markup=False)
     return 0
 
 
