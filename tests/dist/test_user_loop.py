@@ -243,3 +243,39 @@ def test_the_optimizer_refuses_a_module_it_does_not_belong_to() -> None:
 
     with pytest.raises(TorchweaveError, match="parallelize"):
         torchweave.optimizer(torch.nn.Linear(2, 2), torch.optim.AdamW, lr=1e-3)
+
+
+def _bf16(ctx, model, batches):
+    import torchweave
+    from torchweave.runtime.executor import StepConfig
+
+    bf16 = StepConfig(precision="bf16")
+    stepped = torchweave.parallelize(
+        copy.deepcopy(model), batches[0], plan="zero2", groups=ctx.groups, config=bf16,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    losses_a = [stepped.train_step(*b) for b in batches]
+    pm = torchweave.parallelize(copy.deepcopy(model), batches[0], plan="zero2", groups=ctx.groups,
+                                config=bf16)
+    opt = torchweave.optimizer(pm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    losses_b = []
+    for b in batches:
+        loss = pm(*b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses_b.append(loss.item())
+    return losses_a, losses_b, stepped.state_dict(full=True), pm.state_dict(full=True)
+
+
+@pytest.mark.dist
+def test_mixed_precision_in_the_users_loop_is_train_steps_recipe() -> None:
+    """bf16 compute from fp32 masters: the user's loop runs exactly what train_step runs (which
+    tests/dist/test_runtime.py checks against the one-device bf16 recipe)."""
+    model, inputs = built("gpt-tiny")[:2]
+    batches = _batches(inputs, STEPS)
+    for losses_a, losses_b, a, b in spawn(_bf16, LaunchConfig(world_size=2), model, batches):
+        assert losses_a == losses_b
+        assert all(b[k].dtype == torch.float32 for k in b)  # the masters stay fp32
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)
+        assert losses_a[-1] != pytest.approx(losses_a[0], rel=1e-3)  # it trained
