@@ -41,6 +41,8 @@ def _inspect(args: argparse.Namespace, console: Console) -> int:
         loaded = load(args.model, meta=args.meta)
         graph = torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
     took = time.perf_counter() - t0
+    if args.coverage:
+        return _coverage(graph, args.world_size, console)
     summary = torchweave.summarize(graph)
     render(summary, console, ops=not args.totals)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -55,6 +57,46 @@ def _inspect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _coverage(graph, world_size: int, console: Console) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    from torchweave.coverage import POLICIES, coverage
+
+    rows = coverage(graph, world_size)
+    costly = [r for r in rows if not r.annotated or any(
+        c.flops_repeated or c.bytes_gathered for c in r.costs.values())]
+    table = Table(title=Text(f"{graph.model_name}: ops that run whole on several devices under "
+                             f"{', '.join(POLICIES)} at {world_size} ranks (nodes: FLOPs repeated, "
+                             "bytes gathered)"), title_justify="left")
+    for col in ("op", "annotated", "nodes", "example", *POLICIES):
+        table.add_column(col, overflow="fold")
+    for r in costly:
+        cells = []
+        for name in POLICIES:
+            c = r.costs.get(name)
+            cells.append("-" if c is None else
+                         f"{c.nodes}: {_si(c.flops_repeated)}FLOP, {_si(c.bytes_gathered)}B")
+        table.add_row(*map(Text, (r.op, "yes" if r.annotated else "NO", str(r.nodes), r.example,
+                                  *cells)))
+    console.print(table)
+    free = len(rows) - len(costly)
+    console.print(
+        (f"{free} more op kinds run replicated at no cost (index and shape ops). " if free else "")
+        + "FLOPs repeated: the work beyond one copy, over all devices, per forward; bytes "
+        "gathered: split inputs made whole on each device. An op without an annotation can only "
+        "run whole: torchweave.register_annotation gives it one (docs/coverage.md lists the "
+        "annotated ops).", highlight=False, markup=False)
+    return 0
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} "
+
+
 def _verify(args: argparse.Namespace, console: Console) -> int:
     from torchweave.factory import load
     from torchweave.runtime.executor import StepConfig
@@ -63,7 +105,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 
     loaded = load(args.model)
     report = verify(loaded.model, loaded.args, plan=args.plan, world_size=args.world_size,
-                    steps=args.steps, tolerance=args.tolerance,
+                    steps=args.steps, tolerance=args.tolerance, dtype=args.dtype,
                     config=StepConfig(grad_accum=args.grad_accum, p2p_tags=args.p2p_tags),
                     launch=LaunchConfig(world_size=args.world_size, timeout_s=args.timeout),
                     code_dir=args.code)
@@ -129,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="build the model on the meta device (no weights are allocated)")
     ins.add_argument("--totals", action="store_true", help="print only the totals")
     ins.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    ins.add_argument("--coverage", action="store_true",
+                     help="list the ops that force replication, with what they cost under dp, tp "
+                          "and sp: FLOPs repeated and bytes gathered")
+    ins.add_argument("--world-size", type=int, default=2, help="ranks --coverage prices (default 2)")
     ins.add_argument("--save-graph", metavar="PATH.graph.json",
                      help="write the captured graph (no weights) for plan, simulate and explain "
                           "to take as MODEL: a large model captured once")
@@ -164,7 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--world-size", type=int, default=2)
     ver.add_argument("--steps", type=int, default=3)
     ver.add_argument("--grad-accum", type=int, default=1)
-    ver.add_argument("--tolerance", type=float, default=1e-5)
+    ver.add_argument("--dtype", choices=("float64", "float32"), default="float64",
+                     help="cast the model and its inputs to this on both sides (default float64: "
+                          "rounding far below any real error)")
+    ver.add_argument("--tolerance", type=float, default=None,
+                     help="largest relative difference allowed (default: the dtype's, "
+                          "1e-9 in float64, 1e-5 in float32)")
     ver.add_argument("--p2p-tags", default="auto", metavar="MODE",
                      help="pipeline messages: untagged (tag 0, as NCCL runs them), tagged, or auto "
                           "(untagged on NCCL, tagged on gloo)")

@@ -50,10 +50,37 @@ def capture(
             ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
         raise _capture_failure(model, exc, arg_names, example_inputs, example_kwargs) from exc
+    if _mutates(ep):
+        ep = _functional(ep, model, exc_args=(arg_names, example_inputs, example_kwargs))
     graph = _convert(model, ep, arg_names, name or type(model).__name__)
     normalize(graph)
     check_graph(graph)
     return graph
+
+
+def _mutates(ep: torch.export.ExportedProgram) -> bool:
+    """Whether the captured forward changes a tensor in place (``div_``, ``index_put_``, ...)."""
+    for n in ep.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
+def _functional(ep: torch.export.ExportedProgram, model: torch.nn.Module,
+                exc_args: tuple) -> torch.export.ExportedProgram:
+    """The same program with every in-place op replaced by its functional form.
+
+    An in-place op would reach the runtime as written, where it can land on the output of a
+    collective (autograd refuses to modify that view) or on a tensor another rank's piece
+    aliases. Functionalization (``run_decompositions({})``) also expands PyTorch's
+    composite ops (``reshape`` into ``view``, ``dropout`` into ``native_dropout`` or a
+    copy), so it is applied only to models that mutate.
+    """
+    try:
+        return ep.run_decompositions({})
+    except Exception as exc:  # noqa: BLE001 - reported like any capture failure
+        raise _capture_failure(model, exc, *exc_args) from exc
 
 
 @contextlib.contextmanager

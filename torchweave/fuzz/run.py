@@ -79,7 +79,7 @@ def case_of(d: Draw, plan: Any = None) -> Case:
     """The verify case of a draw; ``plan`` overrides the drawn plan (a replayed plan.json)."""
     model, inputs = example(d.model, d.dtype)
     builder = plan if plan is not None else functools.partial(build_plan, d)
-    return Case(model, inputs, builder, steps=2, optimizer=OPTIMIZERS[d.optimizer],
+    return Case(model, inputs, builder, steps=2, optimizer=OPTIMIZERS[d.optimizer], sgd=False,
                 config=StepConfig(**d.step), name=f"seed {d.seed}",
                 reference="fp32")  # bf16 MoE draws: see verify.BF16_TOLERANCE
 

@@ -2,13 +2,23 @@
 
 Both runs start from the same weights and see the same batch every step. The
 report holds the largest relative difference in the loss of every step, in
-every gradient after the first backward (gathered from its pieces), and in
-every parameter after the last optimizer step. A multi-forward plan is
-compared with the one-device recycling loop (:func:`recycled_forward`).
+every gradient after the first backward (gathered from its pieces), in every
+parameter after the last step of the case's optimizer (AdamW by default), and
+in every parameter after as many steps of plain SGD, where a wrong gradient
+shows up in proportion. A multi-forward plan is compared with the one-device
+recycling loop (:func:`recycled_forward`).
+
+:func:`verify` and :func:`verify_many` run in float64 by default, the model and
+its floating inputs cast on both sides (gloo carries float64): rounding is then
+about 1e-15, far below any real error, and AdamW's division of near-zero
+gradients by their own root no longer turns rounding into visible steps.
+``dtype="float32"`` and bf16 plans (``StepConfig(precision="bf16")``, from fp32
+masters) are judged at tolerances derived from their dtype (:data:`TOLERANCES`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import traceback
@@ -23,15 +33,27 @@ from torchweave.policies import PlanLike
 from torchweave.runtime.executor import OptimizerFactory, StepConfig, default_optimizer
 from torchweave.runtime.launch import LaunchConfig, RankContext, spawn
 from torchweave.verify.reference import _reference, clip_exact, recycled_forward
-from torchweave.verify.report import BF16_NOISE_FACTOR, BF16_TOLERANCE, Report, _rel_tensor
+from torchweave.verify.report import (
+    BF16_NOISE_FACTOR, BF16_TOLERANCE, TOLERANCES, Report, _rel_tensor,
+)
+
+SGD_LR = 0.05
+"""Learning rate of the SGD steps every case also runs (its parameters compared after)."""
+
+
+def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=SGD_LR)
 
 
 def _rank_run(ctx: RankContext, jobs: list[tuple]) -> list[dict[str, Any]]:
     """Run every job on this rank, reusing the process group and its subgroups."""
     out = []
-    for compiled, inputs, steps, optimizer, config in jobs:
+    for compiled, inputs, steps, optimizer, config, sgd in jobs:
         try:
-            out.append(_rank_job(ctx, compiled, inputs, steps, optimizer, config))
+            result = _rank_job(ctx, compiled, inputs, steps, optimizer, config)
+            if sgd:
+                result["sgd"] = _rank_job(ctx, compiled, inputs, steps, _sgd, config)["params"]
+            out.append(result)
         except Exception as exc:  # noqa: BLE001 - reported per job; other jobs go on
             if ctx.world_size > 1:
                 # the other ranks may be waiting on this one: stop them all, reporting this
@@ -86,6 +108,12 @@ class Case:
     optimizer: OptimizerFactory = default_optimizer
     config: StepConfig = field(default_factory=StepConfig)
     name: str = ""
+    dtype: Literal["float64", "float32"] = "float64"
+    """What :func:`verify_many` casts the model and its floating inputs to, on both sides
+    (a bf16 plan computes from fp32 masters: float32). Callers of :func:`run_compiled`
+    compile, so their models run in the dtype they have."""
+    sgd: bool = True
+    """Also run ``steps`` steps of SGD and compare the parameters after them."""
     reference: Literal["recipe", "fp32"] = "recipe"
     """The one-device run of a bf16 case: ``recipe`` follows the runtime's bf16 recipe
     (see ``_reference``); ``fp32`` trains in fp32 (the fuzzer's, whose bf16 MoE draws
@@ -93,16 +121,20 @@ class Case:
 
 
 def verify(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, plan: PlanLike,
-           world_size: int, steps: int = 3, tolerance: float = 1e-5,
+           world_size: int, steps: int = 3, tolerance: float | None = None,
            optimizer: OptimizerFactory = default_optimizer, config: StepConfig = StepConfig(),
-           launch: LaunchConfig | None = None, code_dir: str | None = None) -> Report:
-    """Run ``plan`` on ``world_size`` local processes and on one device; compare."""
-    case = Case(model, example_inputs, plan, steps, optimizer, config)
+           launch: LaunchConfig | None = None, code_dir: str | None = None,
+           dtype: Literal["float64", "float32"] = "float64") -> Report:
+    """Run ``plan`` on ``world_size`` local processes and on one device; compare.
+
+    ``tolerance``: the largest relative difference allowed; by default the dtype's
+    (:data:`TOLERANCES`)."""
+    case = Case(model, example_inputs, plan, steps, optimizer, config, dtype=dtype)
     return verify_many([case], world_size=world_size, tolerance=tolerance, launch=launch,
                        code_dir=code_dir)[0]
 
 
-def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
+def verify_many(cases: list[Case], *, world_size: int, tolerance: float | None = None,
                 launch: LaunchConfig | None = None, code_dir: str | None = None) -> list[Report]:
     """Verify several cases in one launch of ``world_size`` processes.
 
@@ -112,6 +144,7 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
     (:class:`~torchweave.runtime.launch.RankFailedError`), since its peers may be
     waiting on it.
     """
+    cases = cast_cases(cases)
     compiled, graphs = [], {}  # one capture per model and shape, shared by its plans
     for i, c in enumerate(cases):
         sub = os.path.join(code_dir, f"case{i}") if code_dir else None
@@ -122,8 +155,29 @@ def verify_many(cases: list[Case], *, world_size: int, tolerance: float = 1e-5,
     return run_compiled(cases, compiled, launch=launch, tolerance=tolerance)
 
 
+def dtype_of(case: Case) -> str:
+    """The dtype a case is judged in: ``bf16``, or its ``dtype``."""
+    return "bf16" if case.config.precision == "bf16" else case.dtype
+
+
+def cast_cases(cases: list[Case]) -> list[Case]:
+    """Each case with its model and floating inputs cast to its dtype (bf16 plans: float32);
+    a model shared by several cases is cast once, so they share one capture."""
+    casts: dict[tuple[int, torch.dtype], torch.nn.Module] = {}
+    out = []
+    for c in cases:
+        dtype = torch.float32 if c.config.precision == "bf16" else getattr(torch, c.dtype)
+        key = (id(c.model), dtype)
+        if key not in casts:
+            casts[key] = copy.deepcopy(c.model).to(dtype)  # floating parameters and buffers only
+        inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                       for x in c.inputs)
+        out.append(dataclasses.replace(c, model=casts[key], inputs=inputs))
+    return out
+
+
 def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchConfig,
-                 tolerance: float = 1e-5) -> list[Report]:
+                 tolerance: float | None = None) -> list[Report]:
     """Run already compiled cases in one launch and compare each with one device.
 
     The ranks run ``compiled``'s Programs as they are: a test may edit one (drop a
@@ -133,15 +187,17 @@ def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchC
     out fail the whole launch (:class:`~torchweave.runtime.launch.RankFailedError`,
     naming the rank that failed first); on one rank a raising case is reported as failed.
     """
-    jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config) for comp, c in zip(compiled, cases)]
+    jobs = [(comp, c.inputs, c.steps, c.optimizer, c.config, c.sgd) for comp, c in zip(compiled, cases)]
     results = spawn(_rank_run, launch, jobs)
     return [_report(case, comp, [r[i] for r in results], launch.world_size, tolerance)
             for i, (case, comp) in enumerate(zip(cases, compiled))]
 
 
 def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_size: int,
-            tolerance: float) -> Report:
+            tolerance: float | None) -> Report:
     """One case's report from every rank's results and a one-device run."""
+    if tolerance is None:  # the compiled model's own dtype (run_compiled's callers cast it)
+        tolerance = TOLERANCES[_judged_dtype(case, comp)]
     report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance,
                     replicated=replication_note(comp.plan, comp.graph))
     errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
@@ -154,11 +210,12 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
     else:  # the plan's accum (compile_plan merged it with the step's grad_accum)
         config = dataclasses.replace(config, grad_accum=comp.plan.accum)
 
-    def one_device(precision: str) -> dict[str, Any]:
-        return _reference(case.model, case.inputs, case.steps, case.optimizer,
+    def one_device(precision: str, optimizer: OptimizerFactory = case.optimizer) -> dict[str, Any]:
+        return _reference(case.model, case.inputs, case.steps, optimizer,
                           dataclasses.replace(config, precision=precision), _recycle_of(comp))
 
-    ref = one_device("fp32" if case.reference == "fp32" else config.precision)
+    ref_precision = "fp32" if case.reference == "fp32" else config.precision
+    ref = one_device(ref_precision)
     truth = None
     if config.precision == "bf16":
         # which gradients are zero, from fp32; and how far bf16 alone moves each tensor
@@ -172,13 +229,27 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
     report.comm = per_rank[0]["comm"]
     report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
     shapes = {p.target: p.meta.shape for p in comp.graph.params()}
+    mask = _judged_dtype(case, comp) != "float64"
     compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
-            _assemble([r["params"] for r in per_rank], shapes), truth)
+            _assemble([r["params"] for r in per_rank], shapes), truth, mask=mask)
+    if case.sgd:
+        sgd_ref = one_device(ref_precision, _sgd)
+        report.sgd = compare_params(sgd_ref["params"], _assemble([r["sgd"] for r in per_rank], shapes),
+                                    truth if truth is not None else ref["grads"],
+                                    report.noise if mask else [], mask=mask)
     return report
 
 
+def _judged_dtype(case: Case, comp: Compiled) -> str:
+    if case.config.precision == "bf16":
+        return "bf16"
+    floats = [p.meta.dtype for p in comp.graph.params() if p.meta.dtype.is_floating_point]
+    return "float64" if floats and all(d == torch.float64 for d in floats) else "float32"
+
+
 def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
-            params: dict[str, torch.Tensor], truth: dict[str, torch.Tensor] | None = None) -> None:
+            params: dict[str, torch.Tensor], truth: dict[str, torch.Tensor] | None = None,
+            *, mask: bool = True) -> None:
     """Fill ``report`` with norm-wise relative differences.
 
     A parameter whose true gradient is zero (a key bias before softmax, say)
@@ -190,31 +261,46 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
     the report names them and counts the elements. ``truth``: the gradients that
     tell which are zero (default ``ref``'s; a bf16 run passes the fp32 ones, since
     bf16 rounding noise is far above the floor).
+
+    ``mask=False`` (float64) compares every parameter after the steps: rounding noise
+    of 1e-17 against AdamW's epsilon of 1e-8 moves nothing visibly there.
     """
     truth = ref["grads"] if truth is None else truth
     scale = max((float(g.double().norm()) for g in truth.values()), default=0.0)
     floor = max(scale * 1e-6, 1e-12)
-    top = max((float(g.abs().max()) for g in truth.values() if g.numel()), default=0.0)
     for path, want in ref["grads"].items():
         noise = float(truth.get(path, want).double().norm()) < floor
         if noise:
             report.noise.append(path)
         denom = max(scale, 1e-12) if noise else 1e-12
         report.grads[path] = _rel_tensor(grads[path], want, denom) if path in grads else float("inf")
-    for path, want in ref["params"].items():
-        if path in report.noise:
+    report.params.update(compare_params(ref["params"], params, truth, report.noise if mask else [],
+                                        report.masked if mask else None, mask=mask))
+
+
+def compare_params(ref: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                   truth: dict[str, torch.Tensor], noise: list[str],
+                   masked: dict[str, int] | None = None, *, mask: bool = True) -> dict[str, float]:
+    """Each parameter's relative difference after the steps; zero-gradient parameters (``noise``)
+    and elements left out (counted into ``masked``)."""
+    top = max((float(g.abs().max()) for g in truth.values() if g.numel()), default=0.0)
+    out: dict[str, float] = {}
+    for path, want in ref.items():
+        if path in noise:
             continue
         if path not in params:
-            report.params[path] = float("inf")
+            out[path] = float("inf")
             continue
         got = params[path]
-        g = truth.get(path)
+        g = truth.get(path) if mask else None
         if g is not None:
             keep = g.abs() >= top * 1e-6  # elements whose own gradient is not rounding noise
             if not bool(keep.all()):
-                report.masked[path] = int((~keep).sum())
+                if masked is not None:
+                    masked[path] = int((~keep).sum())
                 got, want = got[keep], want[keep]
-        report.params[path] = _rel_tensor(got, want)
+        out[path] = _rel_tensor(got, want)
+    return out
 
 
 def _recycle_of(comp: Compiled) -> tuple[int, dict[int, str]] | None:
@@ -230,5 +316,5 @@ def _recycle_of(comp: Compiled) -> tuple[int, dict[int, str]] | None:
 
 
 
-__all__ = ["BF16_NOISE_FACTOR", "BF16_TOLERANCE", "Case", "Report", "clip_exact", "compare",
-           "recycled_forward", "run_compiled", "verify", "verify_many"]
+__all__ = ["BF16_NOISE_FACTOR", "BF16_TOLERANCE", "Case", "Report", "TOLERANCES", "cast_cases", "clip_exact",
+           "compare", "compare_params", "recycled_forward", "run_compiled", "verify", "verify_many"]

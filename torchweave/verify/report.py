@@ -1,11 +1,21 @@
 """What verify reports: each tensor's largest relative difference from one device, and the
-tolerances a plan is judged by (fp32, and bf16 against the runtime's recipe)."""
+tolerances a plan is judged by (float64, float32, and bf16 against the runtime's recipe)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+FP64_TOLERANCE = 1e-9
+"""Relative tolerance in float64 (verify's default). Rounding there is about 1e-16 per
+operation; correct plans of the suite differ from one device by 1e-15 to 1e-12 after 3
+AdamW steps (``tests/dist/test_verify_trust.py`` prints them). A real error (a gradient
+summed twice, a missing all-reduce) is 1e-3 or more: 1e-9 sits far from both."""
+
+FP32_TOLERANCE = 1e-5
+"""Relative tolerance in float32: rounding of 6e-8 per operation, accumulated over sums of
+thousands of terms in another order, reaches 1e-6."""
 
 BF16_TOLERANCE = 3e-2
 """Relative tolerance of a bf16 plan (``StepConfig(precision="bf16")``) against the
@@ -27,6 +37,9 @@ Not for MoE: moe-tiny's compiled bf16 program and the eager bf16 recipe differ
 even on one rank (loss 5.5447 against 5.5440, gradients up to 1.8 relative: top-k
 routing and capacity drops flip on bf16 ties), so the fuzzer compares its bf16
 draws with fp32 (``Case.reference="fp32"``) at its own 5e-2."""
+
+TOLERANCES = {"float64": FP64_TOLERANCE, "float32": FP32_TOLERANCE, "bf16": BF16_TOLERANCE}
+"""The default tolerance of each dtype verify judges in."""
 
 BF16_NOISE_FACTOR = 20.0
 """A bf16 plan's tensor may differ from the reference by this many times its *spread*
@@ -74,6 +87,8 @@ class Report:
     """The same for parameters after the steps."""
     replicated: str = ""
     """A note when much of the plan's work runs replicated (``plan.show.replication_note``)."""
+    sgd: dict[str, float] = field(default_factory=dict)
+    """Each parameter's relative difference after the same number of plain SGD steps."""
 
     def allowed(self, what: str, path: str) -> float:
         """The largest relative difference ``what`` (``grad`` or ``param``) of ``path`` may show."""
@@ -84,7 +99,7 @@ class Report:
     def loose(self) -> dict[str, float]:
         """Tensors judged above ``tolerance`` because bf16 alone moves them that far."""
         out = {}
-        for what, diffs in (("grad", self.grads), ("param", self.params)):
+        for what, diffs in (("grad", self.grads), ("param", self.params), ("param", self.sgd)):
             for path in diffs:
                 if self.allowed(what, path) > self.tolerance:
                     out[f"{what} {path}"] = self.allowed(what, path)
@@ -108,14 +123,15 @@ class Report:
             return False
         return self.loss_diff <= self.tolerance and all(
             d <= self.allowed(what, path)
-            for what, diffs in (("grad", self.grads), ("param", self.params))
+            for what, diffs in (("grad", self.grads), ("param", self.params), ("param", self.sgd))
             for path, d in diffs.items())
 
     def __str__(self) -> str:
         mark = "OK" if self.ok else ("FAILED: " + self.error if self.error else "MISMATCH")
         rows = []  # (what, diff, flag): names are never cut, the column fits the longest
         for what, title, diffs in (("grad", "grad", self.grads),
-                                   ("param", "param after steps", self.params)):
+                                   ("param", "param after steps", self.params),
+                                   ("param", "param after SGD steps", self.sgd)):
             worst = sorted(diffs.items(), key=lambda kv: -kv[1] / self.allowed(what, kv[0]))[:5]
             for path, d in worst:
                 limit = self.allowed(what, path)
@@ -136,7 +152,7 @@ class Report:
         if self.masked:
             lines.append("  elements with zero true gradient, compared by gradient only: "
                          + ", ".join(f"{k} ({n})" for k, n in self.masked.items()))
-        if self.noise:
+        if self.noise and any(p not in self.params for p in self.noise):
             lines.append(f"  zero-gradient parameters (compared by gradient only): {', '.join(self.noise)}")
         lines.append("  losses (one device / plan): "
                      + ", ".join(f"{a:.6f}/{b:.6f}" for a, b in self.losses))
