@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 import warnings
 
 import pytest
@@ -150,3 +151,30 @@ def test_an_ops_info_is_remembered_until_its_annotation_or_registration_changes(
 
     for g in (pickle.loads(pickle.dumps(graph)), copy.deepcopy(graph)):
         assert "_op_infos" not in g.__dict__ and all("_flat" not in n.__dict__ for n in g.nodes)
+
+
+def test_generated_code_imports_what_registers_a_library_custom_op(tmp_path) -> None:
+    """A spawned rank that never imported the library still finds the op: its code imports it."""
+    import subprocess
+    import sys
+
+    from tests.unit import custom_op_lib  # noqa: F401 - registers torch.ops.twlibtest.twice
+    from torchweave.parallel import compile_plan
+
+    class UsesLib(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.twlibtest.twice(self.proj(x)).sum()
+
+    comp = compile_plan(UsesLib(), (torch.randn(2, 4),), "dp", world_size=2, code_dir=str(tmp_path))
+    code = open(comp.code_paths[0]).read()
+    assert "import tests.unit.custom_op_lib" in code
+    check = ("import importlib.util, torch; s = importlib.util.spec_from_file_location('r', "
+             f"{comp.code_paths[0]!r}); m = importlib.util.module_from_spec(s); "
+             "s.loader.exec_module(m); print(hasattr(torch.ops.twlibtest, 'twice'))")
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=root)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]

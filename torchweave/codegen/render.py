@@ -8,14 +8,18 @@ from the plan or the graph is escaped (:mod:`torchweave.codegen.safe`).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import re
 from typing import Any
 
 import torch
 
 from torchweave.codegen.recompute import RecomputeRun, recompute_runs
-from torchweave.codegen.safe import check, comment, doc
+from torchweave.codegen.safe import CodegenError, check, comment, doc
+from torchweave.errors import Problem
+from torchweave.ops.custom import defining_module
 from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program, Segment
 from torchweave.lower import units
 from torchweave.lower.stages import reads
@@ -62,13 +66,29 @@ def _callable(fn: str) -> str:
     return f"{module.replace('.', '_')}.{name}"
 
 
+_DOTTED_OR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+"""A module name that may be written into an import (anything else is left out)."""
+
+
 def _imports(prog: Program) -> list[str]:
-    mods = set()
-    for ins in prog.computes():
+    mods, registers = set(), set()
+    for ins in [*prog.computes(), *(i for seg in prog.segments for i in seg.instrs
+                                    if isinstance(i, Compute))]:
         fn = ins.fn
         if fn.startswith("torchweave."):
             mods.add(fn.rpartition(".")[0])
-    return [f"import {m} as {m.replace('.', '_')}" for m in sorted(mods)]
+        else:
+            module = defining_module(fn)
+            if module is not None and _DOTTED_OR_NAME.fullmatch(module):
+                if importlib.util.find_spec(module) is None:
+                    raise CodegenError(Problem(
+                        obj=f"rank {prog.rank} node {ins.node!r}", value=f"custom op {fn}",
+                        rule=f"each rank imports {module!r}, which registers the op; it is not "
+                             "importable here",
+                        fix=f"put {module!r} on the ranks' PYTHONPATH"))
+                registers.add(module)
+    return ([f"import {m} as {m.replace('.', '_')}" for m in sorted(mods)]
+            + [f"import {m}  # registers its custom ops" for m in sorted(registers)])
 
 
 def _group(prog: Program, groups: tuple[Group, ...]) -> str:

@@ -139,3 +139,30 @@ def _recompute_backward(func: Callable[..., Any]):
                      for a in args)
 
     return setup, backward
+
+
+_BUILT_IN = ("aten", "prims", "torchweave")
+"""Namespaces whose ops every rank has without importing anything."""
+
+
+def defining_module(target: str) -> str | None:
+    """The Python module whose import registers the custom op ``target`` (``ns.op.overload``),
+    found from ``torch.library``'s records: the function of a ``custom_op``, else the fake
+    kernel registered for it. ``None`` for built-in namespaces, and when neither record names
+    a module (an op registered from C++, or defined in the launching script itself)."""
+    parts = target.split(".")
+    if len(parts) < 2 or parts[0] in _BUILT_IN:
+        return None
+    qualname = f"{parts[0]}::{parts[1]}"
+    from torch._library import custom_ops, simple_registry
+
+    found = custom_ops.OPDEFS.get(qualname)
+    fn = getattr(found, "_init_fn", None) if found is not None else None
+    if fn is None:
+        entry = simple_registry.singleton.find(qualname)
+        kernel = getattr(getattr(entry, "fake_impl", None), "kernel", None)
+        fn = kernel
+    module = getattr(fn, "__module__", None)
+    if not isinstance(module, str) or module in ("__main__", "__mp_main__"):
+        return None
+    return module
