@@ -32,16 +32,19 @@ not computed by the plan, and a warning names them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.trainer import call
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("torchweave.lightning needs Lightning: pip install 'torchweave[lightning]'") from e
 
@@ -123,11 +126,30 @@ class Strategy(DDPStrategy):
                 obj="Trainer(precision=...)", value=repr(trainer.precision),
                 rule="the plan's generated code sets the compute dtype, not Lightning's autocast",
                 fix="use precision='32-true' and Strategy(config=StepConfig(precision='bf16'))"))
+        if not trainer.lightning_module.automatic_optimization:
+            raise TorchweaveError(Problem(
+                obj=f"{type(trainer.lightning_module).__name__}.automatic_optimization",
+                value="False", rule="the strategy runs the optimizer step itself, after the "
+                                    "plan's backward and gradient sync",
+                fix="use automatic optimization, or torchweave.parallelize in your own loop"))
         super().setup(trainer)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's gradient accumulation: no sum over ranks but on the last micro-batch."""
+        if self.pm is None:
+            yield None
+        else:
+            with self.pm.no_sync():
+                yield None
 
     # ------------------------------------------------------------ training
     def _build(self, leaves: list[torch.Tensor], spec: Any) -> None:
         lm = self.lightning_module
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with torch.no_grad():  # as DDP starts: every rank from rank 0's weights
+                for t in lm.state_dict().values():
+                    dist.broadcast(t, src=0)
         self._wrapper = _TrainingStep(lm, spec)
         self.pm = parallelize(self._wrapper, tuple(leaves), plan=self.plan, config=self.step_config)
         user = self.optimizers[0] if self.optimizers else None
@@ -152,6 +174,14 @@ class Strategy(DDPStrategy):
                 fix="return tensors from the dataloader's collate_fn"))
         if self.pm is None:
             self._build(leaves, spec)
+        want = self.pm.example_shapes
+        got = tuple(tuple(x.shape) for x in leaves)
+        if got != want:
+            raise TorchweaveError(Problem(
+                obj=f"batch {args[1] if len(args) > 1 else ''}".strip(), value=f"shapes {got}",
+                rule=f"the plan was captured on the first batch's shapes {want} and runs only those",
+                fix="DataLoader(..., drop_last=True), and a batch size the dataset length divides "
+                    "if you want every sample"))
         loss = self.pm(*leaves)
         self._stale = True
         lm = self.lightning_module
@@ -166,7 +196,10 @@ class Strategy(DDPStrategy):
             return out
         user = getattr(optimizer, "_optimizer", optimizer)
         self.popt.param_groups[0].update(_options(user))  # what the schedulers set
-        clip = self.lightning_module.trainer.gradient_clip_val
+        trainer = self.lightning_module.trainer
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", user)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", user)
+        clip = trainer.gradient_clip_val
         if clip:
             algo = self.lightning_module.trainer.gradient_clip_algorithm or "norm"
             if algo != "norm":
@@ -181,8 +214,11 @@ class Strategy(DDPStrategy):
 
     # ------------------------------------------------------------ weights
     def _weights(self) -> dict[str, torch.Tensor]:
+        """What the plan trains, under the module's names (state the training step never reads,
+        an EMA copy say, is the module's own and is left as it is)."""
         full = self.pm.state_dict(full=True)
-        return {k[len(PREFIX):]: v for k, v in full.items() if k.startswith(PREFIX)}
+        trained = self.pm.layout.keys
+        return {k[len(PREFIX):]: v for k, v in full.items() if k in trained and k.startswith(PREFIX)}
 
     def _copy_back(self) -> None:
         """The plan's trained weights into the module (every rank)."""

@@ -101,7 +101,7 @@ def test_a_plain_loop_with_adamw_and_a_cosine_schedule_matches_one_device(world)
     model, inputs = built("gpt-tiny")[:2]
     # float64: AdamW divides by the root of each gradient's square, which turns float32 rounding
     # in near-zero gradients (a key bias's, for one) into visible parameter differences
-    model = model.double()
+    model = copy.deepcopy(model).double()  # built() is cached: never change it in place
     batches = _batches(inputs, STEPS)
     results = spawn(_ranks, LaunchConfig(world_size=world), model, batches, CASES)
     for k, (plan, accum, clip) in enumerate(CASES):
@@ -160,6 +160,28 @@ def _state_and_errors(ctx, model, batches, directory):
     except TorchweaveError as e:
         errors["twice"] = str(e)
     opt2.step()
+    opt2.zero_grad()
+    pm2.eval()  # evaluation without no_grad: nothing pending, no gradients touched
+    out["eval_grad_enabled"] = pm2(*batches[1]).item()
+    with torch.no_grad():
+        out["eval_no_grad"] = pm2(*batches[1]).item()
+    pm2.train()
+    first = pm2(*batches[0])
+    try:
+        pm2(*batches[1])  # a second forward before the first one's backward
+    except TorchweaveError as e:
+        errors["pending"] = str(e)
+    first.backward()
+    opt2.zero_grad()
+    with pm3.no_sync():
+        pm3(*batches[0]).backward()
+    opt3 = torchweave.optimizer(pm3, torch.optim.SGD, lr=1e-3)
+    with pm3.no_sync():
+        pm3(*batches[0]).backward()
+    try:
+        opt3.step()  # only no_sync backwards: each rank holds its own part
+    except TorchweaveError as e:
+        errors["unsynced"] = str(e)
     torchweave.optimizer(pm2, torch.optim.SGD, lr=1e-3)
     try:
         opt2.step()
@@ -174,7 +196,7 @@ def test_state_dicts_under_the_models_names_through_dcp_eval_and_clear_errors(tm
     import torch.distributed.checkpoint as dcp
 
     model, inputs = built("gpt-tiny")[:2]
-    model = model.double()
+    model = copy.deepcopy(model).double()  # built() is cached: never change it in place
     batches = _batches(inputs, 2)
     a, b = spawn(_state_and_errors, LaunchConfig(world_size=2), model, batches, str(tmp_path / "ck"))
     # one step of SGD on one device
@@ -199,9 +221,14 @@ def test_state_dicts_under_the_models_names_through_dcp_eval_and_clear_errors(tm
     assert "input 0" in errors["shape"] and "(2, " in errors["shape"] and "(8, " in errors["shape"]
     assert "second time" in errors["twice"]
     assert "newer torchweave.optimizer" in errors["stale"]
+    assert "before the first one's backward" in errors["pending"]
+    assert "no_sync" in errors["unsynced"]
+    assert a["eval_grad_enabled"] == a["eval_no_grad"]
 
 
-def _pipelined(ctx, model, batches, plan):
+def _pipelined(ctx, model, batches, plan, directory):
+    import torch.distributed.checkpoint as dcp
+
     import torchweave
     from torchweave.errors import TorchweaveError
 
@@ -220,16 +247,24 @@ def _pipelined(ctx, model, batches, plan):
         opt.step()
         sched.step()
         opt.zero_grad()
+    dcp.save(pm.state_dict(), checkpoint_id=directory)  # stages hold disjoint parameters
     return losses, pm.state_dict(full=True), refused
 
 
 @pytest.mark.dist
-def test_a_pipelined_plan_trains_in_the_users_loop_with_step() -> None:
+def test_a_pipelined_plan_trains_in_the_users_loop_with_step(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
     model, inputs = built("gpt-tiny")[:2]
-    model = model.double()
+    model = copy.deepcopy(model).double()  # built() is cached: never change it in place
     batches = _batches(inputs, STEPS)
-    results = spawn(_pipelined, LaunchConfig(world_size=2), model, batches, "1f1b:micro=2")
+    results = spawn(_pipelined, LaunchConfig(world_size=2), model, batches, "1f1b:micro=2",
+                    str(tmp_path / "ck"))
     want_losses, want_state = _reference(model, batches, 1, 1.0)
+    plain = copy.deepcopy(model).state_dict()
+    dcp.load(plain, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    for name, t in results[0][1].items():
+        torch.testing.assert_close(plain[name], t, rtol=0, atol=0)
     for losses, state, refused in results:
         assert losses == pytest.approx(want_losses, rel=1e-9)
         for name, want in want_state.items():
@@ -275,7 +310,7 @@ def test_mixed_precision_in_the_users_loop_is_train_steps_recipe() -> None:
     batches = _batches(inputs, STEPS)
     for losses_a, losses_b, a, b in spawn(_bf16, LaunchConfig(world_size=2), model, batches):
         assert losses_a == losses_b
-        assert all(b[k].dtype == torch.float32 for k in b)  # the masters stay fp32
+        assert all(b[k].dtype == torch.float32 for k in b), {k: b[k].dtype for k in b}  # fp32 masters
         for name in a:
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)
         assert losses_a[-1] != pytest.approx(losses_a[0], rel=1e-3)  # it trained

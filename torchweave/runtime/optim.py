@@ -35,7 +35,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
         try:
             probe = factory([torch.zeros(1, requires_grad=True)])
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:
             raise TorchweaveError(Problem(
                 obj=f"torchweave.optimizer({cls.__name__})", value=f"{kwargs}",
                 rule=f"{cls.__name__} takes these options: {e}",
@@ -65,6 +65,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 obj="optimizer.step", value="a closure",
                 rule="the parallel optimizer steps once per call, without re-evaluating the loss",
                 fix="call opt.step() without a closure (LBFGS-style closures are not supported)"))
+        self.module.check_synced("optimizer.step()")
         self.push_options()
         m = self.module
         if m.opt is not None:
@@ -86,6 +87,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient so that the global norm is at most ``max_norm``; the norm before."""
         self._check()
+        self.module.check_synced("optimizer.clip_grad_norm_()")
         return torch.tensor(self.module.clip(float(max_norm)))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ deprecation warning comes from PyTorch.)
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -57,10 +58,17 @@ def state_layout(model: torch.nn.Module, programs: Iterable[Program],
     for k, v in own.items():
         path = k if k in held else next((a for a in names[id(v)] if a in held), None)
         if path is None:
-            fixed[k] = v.detach().cpu()
+            fixed[k] = v.detach()  # the model's own tensor: its value when the state is read
         else:
             keys[k] = path
     paths = set(keys.values())
+    for p in paths:  # the distinct pieces tile the tensor: a whole one is their exact sum
+        volume = sum(math.prod(b - a for a, b in box) for box in held[p])
+        if volume != state[p].numel():
+            raise TorchweaveError(Problem(
+                obj=f"parameter {p}", value=f"pieces of {volume} elements in all",
+                rule=f"the ranks' distinct pieces tile its {state[p].numel()} elements once",
+                fix="report this plan: its pieces overlap or leave a gap"))
     return StateLayout(
         pieces={p: sorted(held[p].items()) for p in paths},
         shapes={p: tuple(state[p].shape) for p in paths},
@@ -98,17 +106,20 @@ def full_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: int,
             mine = {box: pieces[path] for box, owner in layout.pieces[path] if owner == rank}
             done[path] = _whole(layout, path, mine, device)
         out[key] = done[path]
-    out.update({k: v.clone() for k, v in layout.fixed.items()})
+    out.update({k: v.detach().cpu().clone() for k, v in layout.fixed.items()})
     return out
 
 
-def _placement(rank: int, device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"rank:{rank}/cuda:{rank % max(torch.cuda.device_count(), 1)}"
-    return f"rank:{rank}/{device.type}"
+def _placement(owner: int, rank: int, device: torch.device) -> str:
+    """Where ``owner``'s shard lives: this rank's own device; another rank's, by its type (the
+    index of a remote CUDA device is only a label: it is never checked)."""
+    if owner == rank or device.type != "cuda":
+        return f"rank:{owner}/{device}"
+    return f"rank:{owner}/cuda:{owner % max(torch.cuda.device_count(), 1)}"
 
 
-def sharded_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+def sharded_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: int,
+                  device: torch.device) -> dict[str, Any]:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
@@ -120,28 +131,29 @@ def sharded_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: in
     world = dist.get_world_size() if dist.is_initialized() else 1
     for key, path in layout.keys.items():
         if path not in done:
-            t = pieces[path]
+            shape, dtype = layout.shapes[path], layout.dtypes[path]
+            t = pieces.get(path)  # None on a rank that holds no piece (another pipeline stage)
             metas = [ShardMetadata([a for a, _ in box], [b - a for a, b in box],
-                                   _placement(owner, t.device))
+                                   _placement(owner, rank, device))
                      for box, owner in layout.pieces[path]]
             local = [Shard(t.detach(), m) for (box, owner), m in zip(layout.pieces[path], metas)
                      if owner == rank]
             owners = {owner for _, owner in layout.pieces[path]}
-            if t.dim():  # ranks that own no piece hold an empty one (ShardedTensor asks a
+            if shape:  # ranks that own no piece hold an empty one (ShardedTensor asks a
                 # rank's shards for its device, and every rank must build the same metadata),
                 # placed at the tensor's end: DCP takes chunks at one offset for copies of one
-                end = list(layout.shapes[path])
                 for r in sorted(set(range(world)) - owners):
-                    metas.append(ShardMetadata(end, [0] * t.dim(), _placement(r, t.device)))
+                    metas.append(ShardMetadata(list(shape), [0] * len(shape),
+                                               _placement(r, rank, device)))
                     if r == rank:
-                        local = [Shard(t.detach().new_empty([0] * t.dim()), metas[-1])]
-            meta = ShardedTensorMetadata(metas, torch.Size(layout.shapes[path]),
-                                         TensorProperties(dtype=t.dtype))
+                        local = [Shard(torch.empty([0] * len(shape), dtype=dtype, device=device),
+                                       metas[-1])]
+            meta = ShardedTensorMetadata(metas, torch.Size(shape), TensorProperties(dtype=dtype))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 done[path] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
         out[key] = done[path]
-    out.update({k: v.clone() for k, v in layout.fixed.items()})
+    out.update({k: v.detach().clone() for k, v in layout.fixed.items()})
     return out
 
 

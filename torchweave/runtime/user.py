@@ -48,7 +48,7 @@ class _Loss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: torch.Tensor, module: "UserLoop", anchor: torch.Tensor,
                 local: torch.Tensor | None, *tokens: torch.Tensor) -> torch.Tensor:
-        ctx.module, ctx.done = module, False
+        ctx.module, ctx.done, ctx.sync = module, False, not module._no_sync
         ctx.local = None if local is None else (local.shape, local.dtype)
         ctx.tokens = [(t.shape, t.dtype, t.device) for t in tokens]
         return value.clone()
@@ -63,6 +63,8 @@ class _Loss(torch.autograd.Function):
                      "its reduce-scatters) have already run",
                 fix="call pm(*batch) again for another backward pass"))
         ctx.done = True
+        # the root of the pass: it runs before any gradient reaches a parameter
+        module._begin_backward(ctx.sync)
         torch.autograd.Variable._execution_engine.queue_callback(module._after_backward)
         local = None if ctx.local is None else grad.to(ctx.local[1]).expand(ctx.local[0])
         tokens = [torch.ones(s, dtype=d, device=v) if s.numel() else torch.zeros(s, dtype=d, device=v)
@@ -82,6 +84,10 @@ class UserLoop:
     _set_aside: dict[int, torch.Tensor] | None = None
     _optimizer: Any = None
     _syncing = False
+    _pending = False
+    """A grad-enabled forward whose backward has not run yet."""
+    _unsynced = False
+    """The last backward ran under no_sync: gradients are not summed over ranks yet."""
 
     # ------------------------------------------------------------ like nn.Module
     def __call__(self: "RankModule", *batch: Any) -> torch.Tensor:
@@ -99,9 +105,17 @@ class UserLoop:
                 fix="drop accum= from the plan and call backward on each micro-batch under "
                     "pm.no_sync() but the last"))
         self._check_shapes(batch)
-        if not torch.is_grad_enabled():
-            return self._value(self.forward(*batch))
-        self._begin_backward()
+        if not torch.is_grad_enabled() or not self.training:  # evaluation: no autograd at all
+            with torch.no_grad():
+                return self._value(self.forward(*batch))
+        if self._pending:
+            raise TorchweaveError(Problem(
+                obj="pm(*batch)", value="a second forward before the first one's backward",
+                rule="each forward's backward runs before the next forward (its gradient sync "
+                     "and ZeRO-3's gathered parameters belong to it), as under DDP",
+                fix="call loss.backward() on each loss before the next pm(*batch); accumulate by "
+                    "calling backward per micro-batch; evaluate under torch.no_grad() or pm.eval()"))
+        self._pending = True
         local = self.forward(*batch)
         value = self._value(local)
         anchor = torch.zeros((), requires_grad=True)
@@ -114,13 +128,14 @@ class UserLoop:
         """Forward and backward over the plan's micro-batches, then the gradient sync; the loss.
 
         The optimizer step is the caller's (``opt.step()``). This is how pipelined
-        plans train in the user's loop; it works for every plan.
+        plans train in the user's loop; it works for every plan, and always sums the
+        gradients over ranks (``no_sync`` does not apply).
         """
         self._check_shapes(batch)
-        self._begin_backward()
-        self._syncing = True
+        self._begin_backward(True)  # a step always sums over ranks (no_sync does not apply)
         loss = self.backward_step(*batch)
         self._restore_set_aside()
+        self._unsynced = False
         return loss
 
     def _value(self: "RankModule", local: torch.Tensor | None) -> torch.Tensor:
@@ -152,27 +167,40 @@ class UserLoop:
             self._no_sync = before
 
     # ------------------------------------------------------------ gradients
-    def _begin_backward(self: "RankModule") -> None:
-        if self._synced:  # summed gradients: keep them out of the next sum
+    def _begin_backward(self: "RankModule", sync: bool) -> None:
+        """Start of a backward pass: whether it sums over ranks; summed gradients set aside."""
+        self._pending = False
+        if self._synced and sync:  # summed gradients: keep them out of the next sum
             self._set_aside = {id(p): p.grad for b in self.sync.buckets for p in b.params
                                if p.grad is not None}
             for b in self.sync.buckets:
                 for p in b.params:
                     p.grad = None
             self._synced = False
-        self._syncing = not self._no_sync
-        self.sync.enabled = self._syncing
+        self._syncing = sync
+        self.sync.enabled = sync
 
     def _after_backward(self: "RankModule") -> None:
         """End of a backward pass (queued on the autograd engine): the gradient sync."""
         if not self._syncing:
             if self.opt is not None and self.opt.stage3 is not None:
                 self.opt.stage3.finish_grads()  # its reduce-scatters ran anyway: wait for them
+            self._unsynced = True
             return
         self.sync.finish()
         if self.opt is not None:
             self.opt.finish_grads()
         self._restore_set_aside()
+        self._unsynced = False
+
+    def check_synced(self, what: str) -> None:
+        """Refuse ``what`` (a step, a clip) when the last backward skipped the sum over ranks."""
+        if self._unsynced:
+            raise TorchweaveError(Problem(
+                obj=what, value="after a backward under pm.no_sync()",
+                rule="the gradients are summed over ranks by the first backward outside "
+                     "no_sync; until then each rank holds only its own part",
+                fix="run the last micro-batch's backward outside pm.no_sync()"))
 
     def _restore_set_aside(self: "RankModule") -> None:
         if self._set_aside:
@@ -190,7 +218,7 @@ class UserLoop:
             p.grad = None
         if self.opt is not None:
             self.opt.master.grad = None
-        self._synced, self._set_aside = False, None
+        self._synced, self._set_aside, self._unsynced = False, None, False
 
     # ------------------------------------------------------------ checks
     def _check_shapes(self, batch: tuple[Any, ...]) -> None:
@@ -224,7 +252,7 @@ class UserLoop:
         pieces = {path: t for path, (_, t) in self.state_pieces().items()}
         if full:
             return full_state(layout, pieces, self.rt.gc.rank, self.rt.device)
-        return sharded_state(layout, pieces, self.rt.gc.rank)
+        return sharded_state(layout, pieces, self.rt.gc.rank, self.rt.device)
 
     def load_state_dict(self: "RankModule", state: dict[str, Any], strict: bool = True) -> None:
         """Load whole tensors, or the ``ShardedTensor`` entries of :meth:`state_dict`."""

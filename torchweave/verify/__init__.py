@@ -200,6 +200,9 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
         tolerance = TOLERANCES[_judged_dtype(case, comp)]
     report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance,
                     replicated=replication_note(comp.plan, comp.graph))
+    if case.dtype == "float64" and case.config.precision != "bf16" and _narrower(comp):
+        report.precision = (f"judged in float32: the model computes in a narrower dtype than "
+                            f"float64 ({_narrower(comp)})")
     errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
     if errors:
         report.error = "; ".join(errors)
@@ -241,10 +244,24 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
 
 
 def _judged_dtype(case: Case, comp: Compiled) -> str:
+    """``bf16``; ``float64`` when every floating value of the graph is float64; else ``float32``
+    (a model that casts down on purpose, as transformers' loss does to float32, rounds there)."""
     if case.config.precision == "bf16":
         return "bf16"
-    floats = [p.meta.dtype for p in comp.graph.params() if p.meta.dtype.is_floating_point]
-    return "float64" if floats and all(d == torch.float64 for d in floats) else "float32"
+    return "float32" if _narrower(comp) else "float64"
+
+
+def _narrower(comp: Compiled) -> str:
+    """The first node that computes in a narrower float than float64, as ``op at source``."""
+    for node in comp.graph.nodes:
+        for out in node.outputs:
+            v = comp.graph.values.get(out)
+            if v is not None and v.meta.dtype.is_floating_point and v.meta.dtype != torch.float64:
+                return f"{node.name} ({v.meta.dtype}) at {node.source or node.module or '?'}"
+    for v in comp.graph.values.values():
+        if v.kind != "activation" and v.meta.dtype.is_floating_point and v.meta.dtype != torch.float64:
+            return f"{v.name} ({v.meta.dtype})"
+    return ""
 
 
 def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],

@@ -87,6 +87,8 @@ class Report:
     """The same for parameters after the steps."""
     replicated: str = ""
     """A note when much of the plan's work runs replicated (``plan.show.replication_note``)."""
+    precision: str = ""
+    """Why a float64 case was judged at float32's tolerance (the model casts down itself)."""
     sgd: dict[str, float] = field(default_factory=dict)
     """Each parameter's relative difference after the same number of plain SGD steps."""
 
@@ -158,6 +160,8 @@ class Report:
                      + ", ".join(f"{a:.6f}/{b:.6f}" for a, b in self.losses))
         if self.replicated:
             lines.append(f"  {self.replicated}")
+        if self.precision:
+            lines.append(f"  {self.precision}")
         return "\n".join(lines)
 
 
