@@ -58,12 +58,23 @@ def capture(
     return graph
 
 
+_FILLS = {"aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default"}
+"""Filling a fresh tensor (``torch.empty(...).fill_(x)``) sets its value, like a factory op: it
+is left as traced."""
+
+
 def _mutates(ep: torch.export.ExportedProgram) -> bool:
     """Whether the captured forward changes a tensor in place (``div_``, ``index_put_``, ...)."""
     for n in ep.graph.nodes:
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if schema is not None and schema.is_mutable:
-            return True
+        if schema is None or not schema.is_mutable:
+            continue
+        src = n.args[0] if n.args else None
+        fresh = isinstance(src, torch.fx.Node) and len(src.users) == 1 and \
+            str(getattr(src, "target", "")).split(".")[1:2] in (["empty"], ["new_empty"])
+        if (str(n.target) in _FILLS and fresh) or str(n.target) == "aten.detach_.default":
+            continue  # detach_ changes no value (the graph is traced for its gradients anyway)
+        return True
     return False
 
 

@@ -6,8 +6,11 @@ from torchweave.ops.bind import Bound, Split, bind
 from torchweave.ops.grammar import Annotation, parse
 from torchweave.ops.registry import REGISTRY, Call, OpSpec, Registry
 
+BUILT_IN: dict[str, OpSpec] = dict(REGISTRY.specs)
+"""The ops torchweave itself annotates, as registered at import (before any user's own)."""
+
 __all__ = [
-    "REGISTRY", "Annotation", "Bound", "Call", "OpInfo", "OpSpec", "Registry", "Split",
+    "BUILT_IN", "REGISTRY", "Annotation", "Bound", "Call", "OpInfo", "OpSpec", "Registry", "Split",
     "UnannotatedOpWarning", "annotate", "bind", "call_of", "info", "parse",
 ]
 
