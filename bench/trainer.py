@@ -36,7 +36,8 @@ import torch.distributed as dist
 from rich.console import Console
 
 from torchweave.runtime.launch import LaunchConfig, spawn
-from torchweave.train.config import _plan_dp, load_config
+from torchweave.train.config import _plan_dp
+from torchweave.train.loading import load_config
 from torchweave.train.loop import Trainer
 
 BASE = {

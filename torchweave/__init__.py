@@ -3,7 +3,7 @@
 from torchweave.api import capture
 from torchweave.errors import TorchweaveError
 from torchweave.ir import Graph
-from torchweave.ops import register_annotation, register_op
+from torchweave.ops import batch_local, register_annotation, register_op
 from torchweave.parallel import parallelize
 from torchweave.plan.layout import Mesh
 from torchweave.plan.plan import Plan
@@ -15,6 +15,6 @@ from torchweave.verify import verify
 
 __all__ = [
     "Graph", "LaunchConfig", "Mesh", "ParallelOptimizer", "Plan", "StepConfig", "TorchweaveError",
-    "capture", "launch", "optimizer", "parallelize", "register_annotation", "register_op", "summarize", "verify",
+    "batch_local", "capture", "launch", "optimizer", "parallelize", "register_annotation", "register_op", "summarize", "verify",
 ]
 __version__ = "0.1.0"

@@ -226,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_commands(sub)
     models = sub.add_parser("models", help="list the bundled models")
     models.set_defaults(run=_models)
+    for name, cmd in sub.choices.items():
+        if "model" in {a.dest for a in cmd._actions}:  # every command that captures a model
+            cmd.add_argument("--batch-local", metavar="OP", action="append", default=[],
+                             help="declare an op's rows independent (e.g. aten.kthvalue), so "
+                                  "data parallelism keeps the batch split through it; repeatable")
     return p
 
 
@@ -331,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     console = plain_console()
     try:
+        if getattr(args, "batch_local", None):
+            from torchweave.ops import batch_local
+
+            batch_local(*args.batch_local)
         return int(args.run(args, console))
     except TorchweaveError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", markup=True, highlight=False)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -159,7 +161,7 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     validate(resolved, graph, world_size=world_size)
     programs = lower(graph, resolved)
     _check_zero3_order(resolved, programs)
-    code_dir = code_dir or tempfile.mkdtemp(prefix="torchweave-code-")
+    code_dir = code_dir or _scratch_dir()
     if only_rank is None:
         paths = write(programs, code_dir)
     else:  # under torchrun every rank compiles; each writes only its own file
@@ -172,6 +174,14 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_inputs)
     return Compiled(graph, resolved, programs, paths, state, state_layout(model, programs, state),
                     shapes)
+
+
+def _scratch_dir() -> str:
+    """A temporary folder for generated code that nobody asked to keep, removed when this
+    process exits (a launch's spawned ranks and torchrun's exit normally: atexit runs)."""
+    path = tempfile.mkdtemp(prefix="torchweave-code-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _check_zero3_order(plan: Plan, programs: list[Program]) -> None:
@@ -235,4 +245,23 @@ def parallelize(
     compiled = compile_plan(model, example_inputs, plan, world_size=groups.world_size,
                             code_dir=code_dir, micro_batches=config.grad_accum,
                             precision=config.precision, only_rank=groups.rank)
-    return rank_module(compiled, groups, optimizer=optimizer, config=config)
+    module = rank_module(compiled, groups, optimizer=optimizer, config=config)
+    module.recompile = _recompiler(model, compiled, groups, config, code_dir)
+    return module
+
+
+def _recompiler(model: torch.nn.Module, compiled: Compiled, groups: GroupCache, config: StepConfig,
+                code_dir: str | None):
+    """This rank's program and code for a batch of other shapes, under the plan as resolved
+    for the example batch (no new search): a new capture, checked and lowered again."""
+    rank, done = groups.rank, [0]
+
+    def compile_for(batch: tuple[Any, ...]) -> tuple[Program, str]:
+        done[0] += 1
+        sub = os.path.join(code_dir, f"shape{done[0]}") if code_dir else None
+        again = compile_plan(model, batch, compiled.plan, world_size=groups.world_size, code_dir=sub,
+                             micro_batches=config.grad_accum, precision=config.precision,
+                             only_rank=rank)
+        return again.programs[rank], again.code_paths[rank]
+
+    return compile_for

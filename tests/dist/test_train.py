@@ -16,7 +16,7 @@ from rich.console import Console
 from torchweave.commands.train import run
 from torchweave.runtime.launch import RankFailedError
 from torchweave.train.checkpoint import checkpoints
-from torchweave.train.config import load_config
+from torchweave.train.loading import load_config
 from torchweave.train.data import Sampler
 
 pytestmark = pytest.mark.dist

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from torchweave.commands.train import run
 from torchweave.train.checkpoint import checkpoints
-from torchweave.train.config import load_config
+from torchweave.train.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

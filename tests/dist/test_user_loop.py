@@ -148,7 +148,7 @@ def _state_and_errors(ctx, model, batches, directory):
     # bad input: each a clear error
     errors = {}
     try:
-        pm3(*(x[:2] for x in batches[0]))
+        pm3(*(x[:1] for x in batches[0]))  # 1 row: dp over 2 ranks does not divide it
     except TorchweaveError as e:
         errors["shape"] = str(e)
     opt2 = torchweave.optimizer(pm2, torch.optim.AdamW, lr=1e-3)
@@ -218,7 +218,7 @@ def test_state_dicts_under_the_models_names_through_dcp_eval_and_clear_errors(tm
         ref_eval = ref(*batches[1]).item()
     assert a["eval"] == pytest.approx(ref_eval, rel=1e-9) and b["eval_dp"] == pytest.approx(ref_eval, rel=1e-9)
     errors = a["errors"]
-    assert "input 0" in errors["shape"] and "(2, " in errors["shape"] and "(8, " in errors["shape"]
+    assert "input shapes ((1, " in errors["shape"] and "(8, " in errors["shape"]
     assert "second time" in errors["twice"]
     assert "newer torchweave.optimizer" in errors["stale"]
     assert "before the first one's backward" in errors["pending"]
@@ -314,3 +314,47 @@ def test_mixed_precision_in_the_users_loop_is_train_steps_recipe() -> None:
         for name in a:
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)
         assert losses_a[-1] != pytest.approx(losses_a[0], rel=1e-3)  # it trained
+
+
+LENGTHS = (16, 8, 12)
+"""Sequence lengths of successive batches: the example's, then two others."""
+
+
+def _lengths(ctx, model, batches, plans):
+    import torchweave
+
+    out = []
+    for plan in plans:
+        pm = torchweave.parallelize(copy.deepcopy(model), batches[0], plan=plan, groups=ctx.groups)
+        opt = torchweave.optimizer(pm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+        losses = _loop(pm, opt, sched, batches + batches[:1], accum=1, clip=None,
+                       no_sync=lambda m: m.no_sync())
+        error = ""
+        try:
+            pm(*(x[:, :5] for x in batches[0]))  # 5 tokens: sp's split over ranks does not divide
+        except Exception as e:  # noqa: BLE001 - the message is checked below
+            error = str(e)
+        out.append((losses, pm.state_dict(full=True), error))
+    return out
+
+
+@pytest.mark.dist
+def test_one_module_trains_on_three_sequence_lengths_like_one_device() -> None:
+    """A batch of another length runs the same plan, compiled again for its shape once."""
+    model, inputs = built("gpt-tiny")[:2]
+    model = copy.deepcopy(model).double()
+    g = torch.Generator().manual_seed(2)
+    batches = [tuple(torch.randint(0, 256, (8, n), generator=g) for _ in inputs) for n in LENGTHS]
+    plans = ["dp", "tp", "zero3", "sp"]
+    results = spawn(_lengths, LaunchConfig(world_size=2), model, batches, plans)
+    want_losses, want_state = _reference(model, batches + batches[:1], 1, None)
+    for k, plan in enumerate(plans):
+        for rank in range(2):
+            losses, state, error = results[rank][k]
+            assert losses == pytest.approx(want_losses, rel=1e-9), (plan, rank)
+            for name, want in want_state.items():
+                torch.testing.assert_close(state[name], want, rtol=1e-7, atol=1e-9,
+                                           msg=lambda m: f"{plan} rank {rank} {name}: {m}")
+            if plan == "sp":
+                assert "5" in error and "divid" in error, error

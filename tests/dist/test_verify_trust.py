@@ -28,7 +28,9 @@ def test_correct_plans_pass_at_the_defaults_far_below_the_tolerance() -> None:
                     max(report.sgd.values()))
         print(f"{report.plan}: worst relative difference {worst:.3g}")
         assert worst < FP64_TOLERANCE / 100  # rounding, 1e-15 to 1e-12
-        assert report.sgd and not report.masked  # float64: every element compared
+        # float64 leaves out only elements whose gradient is exactly zero: rows of the
+        # embedding tables that the batch's tokens and 16 positions never reach
+        assert report.sgd and set(report.masked) <= {"wpe.weight", "wte.weight", "embed.weight"}
 
 
 def _wrong(compiled, mutate):

@@ -157,6 +157,34 @@ class InternalOps(nn.Module):
         return q, v, s
 
 
+class Routing(nn.Module):
+    """Maths, sorting, histograms and scatters of mixture-of-experts routing and of
+    functionalized in-place code (``aten_data``)."""
+
+    def forward(self, x, y, ids):
+        # x [B T D], y [T D], ids [B T] int in [0, 5)
+        aten = torch.ops.aten
+        p = x.abs() + 0.5
+        a = torch.min(x, y) + torch.max(x, y) + torch.fmod(x, 0.7) + torch.fmod(x, p)
+        a = a + torch.remainder(x, 0.3) + torch.remainder(x, p) + x.floor() + x.ceil()
+        a = a + x.round() + x.trunc() + x.sign() + p.log1p() + x.expm1() + p.log2()
+        a = a + x.clamp_min(-0.5) + x.clamp_max(0.5) + torch.atan2(x, p)
+        a = a + F.leaky_relu(x) + F.hardtanh(x) + F.elu(x) + F.softplus(x)
+        a = a + F.hardsigmoid(x) + F.hardswish(x) + F.mish(x)
+        bad = torch.logical_xor(x.isnan(), x.isinf() | (x > 1))
+        q = torch.floor_divide(ids, 2)
+        vals, order = x.sort(-1, descending=True)
+        stable = torch.sort(x, dim=1, stable=True)[0] + torch.argsort(x, dim=-1).float() + torch.argsort(x, dim=1, stable=True).float()
+        hist = torch.histc(ids.float(), bins=5, min=0, max=4) + torch.histc(x, bins=5)
+        sel = x.index_select(1, ids[0, :3])
+        aten = torch.ops.aten
+        c = aten.copy.default(x, y) + aten.fill.Tensor(x, y[0, 0]) + aten.fill.Scalar(x, 0.5)
+        sc = aten.slice_scatter.default(x, y[:3].expand(B, 3, D), 1, 2, 5)
+        sc = sc + aten.select_scatter.default(x, y[:B, :], 1, 3)
+        out = a + vals + stable + c + sc + order.float()
+        return out.masked_fill(bad, 0.0), q, hist, sel
+
+
 class Losses(nn.Module):
     """Cross-entropy forms that capture keeps as one op (per-token, or with a
     spatial axis); the mean and sum over ``[n, classes]`` are rewritten."""
@@ -186,6 +214,7 @@ def _cases() -> list[Case]:
         (Factories(), (x,)),
         (InternalOps(), (x,)),
         (Losses(), (x, torch.randint(0, T, (B, D)))),
+        (Routing(), (x, torch.randn(T, D), torch.randint(0, 5, (B, T)))),
     ]
     cases: list[Case] = []
     for model, inputs in zoos:

@@ -178,3 +178,16 @@ def test_generated_code_imports_what_registers_a_library_custom_op(tmp_path) -> 
     root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=root)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_transformers_grouped_matmul_splits_pass_the_self_check() -> None:
+    """The experts' grouped matmul of transformers' MoE layers (its float32 fallback) splits
+    along the output features and the contraction, as annotated."""
+    pytest.importorskip("transformers.integrations.moe")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(12, 8, generator=g), torch.randn(3, 8, 4, generator=g)
+    offs = torch.tensor([5, 5, 12], dtype=torch.int32)  # an expert with no rows too
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    case = Case("transformers.grouped_mm_fallback.default", op, (x, w, offs), {})
+    assert REGISTRY.lookup(case.target) is not None
+    assert check_case(case) == []

@@ -116,7 +116,8 @@ def test_p2p_tags_is_a_validated_option_reached_from_the_cli_and_the_train_confi
     from torchweave.cli import build_parser
     from torchweave.errors import TorchweaveError
     from torchweave.runtime.executor import StepConfig
-    from torchweave.train.config import ConfigError, load_config
+    from torchweave.train.config import ConfigError
+    from torchweave.train.loading import load_config
 
     assert StepConfig().p2p_tags == "auto" and StepConfig(p2p_tags="untagged").p2p_tags == "untagged"
     with pytest.raises(TorchweaveError) as err:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from torchweave.train.config import ConfigError, ParallelConfig, TrainConfig, load_config
+from torchweave.train.config import ConfigError, ParallelConfig, TrainConfig
+from torchweave.train.loading import load_config
 
 YAML = """
 run_dir: runs/x

@@ -10,9 +10,8 @@ import torch
 from torchweave.cli import main
 from torchweave.commands.train import DEMO
 from torchweave.train.build import build_model, lr_multiplier, optimizer_factory
-from torchweave.train.config import (
-    ConfigError, ModelConfig, OptimConfig, ScheduleConfig, load_config,
-)
+from torchweave.train.config import ConfigError, ModelConfig, OptimConfig, ScheduleConfig
+from torchweave.train.loading import load_config
 from torchweave.train.data import CharText, Sampler, SyntheticTokens, bundled_text
 
 
@@ -103,7 +102,6 @@ def test_the_summary_prints_the_prediction_beside_the_measured_step() -> None:
 
     from torchweave.commands.train import summary
     from torchweave.train.auto import Choice
-    from torchweave.train.config import load_config
     from torchweave.train.loop import RunResult
 
     cfg = load_config(None, [], base=DEMO)
@@ -132,7 +130,6 @@ def test_user_strings_print_as_text_never_as_markup() -> None:
     from torchweave.commands.train import summary
     from torchweave.plan.show import plan_table
     from torchweave.policies import resolve
-    from torchweave.train.config import load_config
     from torchweave.train.loop import RunResult
 
     hostile = "a [/tmp/x] and [bold]not bold[/bold] x[0]"

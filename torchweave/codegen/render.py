@@ -56,9 +56,16 @@ def literal(x: Any) -> str:
     raise TypeError(f"cannot render constant {x!r} of type {type(x).__name__}")
 
 
+RESHAPING_VIEWS = {"aten.view.default": "aten.reshape.default",
+                   "aten._unsafe_view.default": "aten.reshape.default"}
+"""A traced ``view`` was valid for the strides the capture saw; a rank's operand may come
+from a collective or another kernel's choice of layout (T5's attention output after a
+split mask), where only a copy reshapes it. ``reshape`` views whenever it can."""
+
+
 def _callable(fn: str) -> str:
     if fn.startswith("aten."):
-        return fn
+        return RESHAPING_VIEWS.get(fn, fn)
     if fn.count(".") >= 2 and fn.split(".")[0] not in ("torchweave",):
         ns = fn.split(".")[0]
         return f"torch.ops.{fn}" if ns != "aten" else fn

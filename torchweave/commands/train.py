@@ -13,7 +13,8 @@ from rich.text import Text
 
 from torchweave.runtime.launch import LaunchConfig, RankContext, init_from_env, spawn
 from torchweave.train.auto import Choice
-from torchweave.train.config import CheckpointConfig, TrainConfig, load_config
+from torchweave.train.config import CheckpointConfig, TrainConfig
+from torchweave.train.loading import load_config
 from torchweave.train.loop import RunResult, Trainer
 from torchweave.train.plot import loss_png
 from torchweave.train.sample import sample_text

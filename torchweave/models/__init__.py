@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from torchweave.models.gpt import GPT, GPTConfig, flops_per_token
+from torchweave.models.hf_zoo import ZOO
 from torchweave.models.llama import Llama, LlamaConfig
 from torchweave.models.moe import MoEConfig, MoEGPT
 from torchweave.models.recycler import Recycler, RecyclerConfig
@@ -168,6 +169,7 @@ FACTORIES: dict[str, Callable[[], Example]] = {
     "recycler-tiny": recycler_tiny,
     "hf-gpt2-tiny": hf_gpt2_tiny,
     "hf-llama-tiny": hf_llama_tiny,
+    **ZOO,  # eleven more transformers families (hf_zoo.py)
 }
 
 

@@ -1,6 +1,7 @@
 """Operator annotations: the grammar, the registry, and what they derive."""
 
 from torchweave.ops import aten as _aten  # noqa: F401 - registers the built-in ops
+from torchweave.ops import aten_data as _aten_data  # noqa: F401 - and these
 from torchweave.ops.annotate import OpInfo, UnannotatedOpWarning, annotate, call_of, info
 from torchweave.ops.bind import Bound, Split, bind
 from torchweave.ops.grammar import Annotation, parse
@@ -14,6 +15,6 @@ __all__ = [
     "UnannotatedOpWarning", "annotate", "bind", "call_of", "info", "parse",
 ]
 
-from torchweave.ops.custom import register_annotation, register_op  # noqa: E402
+from torchweave.ops.custom import batch_local, register_annotation, register_op  # noqa: E402
 
-__all__ += ["register_annotation", "register_op"]
+__all__ += ["batch_local", "register_annotation", "register_op"]

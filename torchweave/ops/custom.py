@@ -33,6 +33,56 @@ def register_annotation(
     )
 
 
+def batch_local(*targets: str | Any, dim: int = 0, replace: bool = True) -> list[OpSpec]:
+    """Declare ops whose rows are independent along ``dim`` (a sort or a histogram per
+    row, a library kernel applied row by row), so that data parallelism keeps the batch
+    split through them instead of gathering it onto every device.
+
+    Each call's tensors that share the first input's size along ``dim`` split along it
+    together; every other axis, and every other tensor, stays whole. An output without
+    that size makes the call run whole. A wrong declaration gives wrong results that
+    ``torchweave verify`` reports against one device. Reached from the command line as
+    ``--batch-local OP`` and from a train config as ``model.batch_local: [OP, ...]``.
+    """
+    specs = []
+    for target in targets:
+        name = target if isinstance(target, str) else str(target)
+        if not all(part.isidentifier() for part in name.split(".")) or name.count(".") < 1:
+            raise RegistryError(Problem(
+                obj="batch_local", value=repr(name),
+                rule="an op's qualified name: namespace.op or namespace.op.overload",
+                fix="e.g. aten.sort or transformers.grouped_mm_fallback.default"))
+        specs.append(REGISTRY.add(OpSpec(name=name, annotation=_rows_rule(dim),
+                                         doc=f"declared batch-local along dim {dim}"),
+                                  replace=replace))
+    return specs
+
+
+def _rows_rule(dim: int) -> Rule:
+    def rule(call) -> str:
+        tensors = [*call.inputs, *call.outputs]
+        rank0 = len(call.inputs[0].shape) if call.inputs else 0
+        d = dim % rank0 if rank0 else 0
+        size = call.inputs[0].shape[d] if rank0 else None
+        batched = [len(t.shape) > d and t.shape[d] == size for t in tensors]
+        if size is None or not all(batched[len(call.inputs):]):
+            taken = [" ".join(f"t{i}x{j}^" for j in range(len(t.shape))) or "()"
+                     for i, t in enumerate(call.outputs)]
+            return f"{', '.join(['?'] * len(call.inputs))} -> {', '.join(taken)}"
+        specs = []
+        for i, (t, b) in enumerate(zip(tensors, batched)):
+            if not b:
+                specs.append("?")
+                continue
+            axes = ["rows" if j == d else f"t{i}x{j}^" for j in range(len(t.shape))]
+            specs.append(" ".join(axes))
+        n = len(call.inputs)
+        return f"{', '.join(specs[:n])} -> {', '.join(specs[n:])}"
+
+    rule.__name__ = f"batch_local_dim{dim}"
+    return rule
+
+
 def register_op(
     annotation: str, fn: Callable[..., Any] | None = None, *, name: str | None = None,
     partial: Literal["sum", "avg"] = "sum", flops_per_point: float = 1.0,

@@ -23,6 +23,10 @@ stay local) until the next backward outside it. Gradients already summed over
 ranks are set aside before the next pass and added back after its sum, so a
 sum is never summed again.
 
+A batch of another shape (another sequence length, a last short batch) runs the
+same plan, compiled again for that shape once and kept (:meth:`UserLoop._select`):
+the plan's splits must divide it, and its parameters must be laid out as before.
+
 Pipelined plans keep a step API, as ``torch.distributed.pipelining`` does:
 ``pm.step(*batch)`` runs every micro-batch's forward and backward and returns
 the loss; the same optimizer applies.
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from torchweave.codegen.render import read_order
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.runtime.statedict import StateLayout, full_state, load_full, sharded_state
 
@@ -78,6 +83,10 @@ class UserLoop:
     training = True
     layout: StateLayout | None = None
     example_shapes: tuple[tuple[int, ...] | None, ...] | None = None
+    recompile: Any = None
+    """``shapes → (Program, code path)`` of this rank for a batch of other shapes (set by
+    ``parallelize``, which has the model); None: only the example's shapes run."""
+    _variants: dict | None = None
     _no_sync = False
     _synced = False
     """The gradients held now are sums over ranks (until the next zero_grad)."""
@@ -104,7 +113,7 @@ class UserLoop:
                 rule="pm(*batch) runs one forward; your loop does the accumulation",
                 fix="drop accum= from the plan and call backward on each micro-batch under "
                     "pm.no_sync() but the last"))
-        self._check_shapes(batch)
+        self._select(batch)
         if not torch.is_grad_enabled() or not self.training:  # evaluation: no autograd at all
             with torch.no_grad():
                 return self._value(self.forward(*batch))
@@ -131,7 +140,7 @@ class UserLoop:
         plans train in the user's loop; it works for every plan, and always sums the
         gradients over ranks (``no_sync`` does not apply).
         """
-        self._check_shapes(batch)
+        self._select(batch)
         self._begin_backward(True)  # a step always sums over ranks (no_sync does not apply)
         loss = self.backward_step(*batch)
         self._restore_set_aside()
@@ -221,6 +230,41 @@ class UserLoop:
         self._synced, self._set_aside, self._unsynced = False, None, False
 
     # ------------------------------------------------------------ checks
+    def _select(self: "RankModule", batch: tuple[Any, ...]) -> None:
+        """Run ``batch``'s shapes: the program compiled for them (once), or the example's."""
+        shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in batch)
+        if self.recompile is None or shapes == self.example_shapes or self.program.segments \
+                or len(shapes) != len(self.example_shapes or ()):
+            return self._check_shapes(batch)
+        variants = self._variants = self._variants or {
+            self.example_shapes: (self.program, self.code)}
+        if shapes not in variants:
+            try:
+                program, path = self.recompile(batch)
+            except TorchweaveError as e:
+                why = " ".join(line.strip() for line in str(e).splitlines()[:3])
+                raise TorchweaveError(Problem(
+                    obj="pm(*batch)", value=f"input shapes {shapes}",
+                    rule=f"the plan made for shapes {self.example_shapes} runs other shapes where "
+                         f"its splits divide them; at these it does not ({why[:300]})",
+                    fix=f"pad or batch the data to shapes the plan divides (such as "
+                        f"{self.example_shapes}), or parallelize with an example of these")) from None
+            from torchweave.runtime.executor import load_module
+
+            mine = [(s.path, s.box) for s in self.program.params]
+            if [(s.path, s.box) for s in program.params] != mine or (
+                    self.opt is not None and read_order(program) != read_order(self.program)):
+                raise TorchweaveError(Problem(
+                    obj=f"plan {self.program.plan_name!r}", value=f"batch shapes {shapes}",
+                    rule="a batch of other shapes runs the same plan with its parameters laid "
+                         "out as for the example batch; at these shapes they are not",
+                    fix="pad the batch to the example's shapes, or parallelize with this shape"))
+            variants[shapes] = (program, load_module(path, f"torchweave_rank{program.rank}_{id(self)}_"
+                                                           f"{len(variants)}"))
+        self.program, self.code = variants[shapes]
+        self.rt.gc.create_all(self.program.groups)
+        self.example_shapes = shapes
+
     def _check_shapes(self, batch: tuple[Any, ...]) -> None:
         want = self.example_shapes
         if want is None:

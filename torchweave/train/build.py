@@ -38,8 +38,16 @@ def build_model(cfg: ModelConfig, *, vocab_size: int | None, seq_len: int) -> to
     (:func:`torchweave.models.hf.hf_causal_lm`). ``gpt`` and ``llama`` take ``kwargs`` (``n_layer``, ``d_model``...), and get
     ``vocab_size`` from the dataset and a ``block_size`` of at least ``seq_len``
     unless given. A bundled factory name (``gpt-tiny``...) or ``module:function``
-    may return a module or ``(module, example_inputs)``.
+    may return a module or ``(module, example_inputs)``. The ops of ``batch_local`` are
+    declared so (:func:`torchweave.batch_local`) before anything captures the model.
     """
+    if cfg.batch_local:
+        from torchweave.ops import batch_local
+
+        try:
+            batch_local(*cfg.batch_local)
+        except TorchweaveError as e:
+            raise ConfigError(e.problems) from None
     if cfg.hf is not None:
         from torchweave.models.hf import hf_causal_lm
 

@@ -1,7 +1,7 @@
 """Typed frozen dataclasses from plain (YAML) data, every problem collected at once.
 
 :func:`build` checks each field's value against its annotation (``int``,
-``float``, ``str``, ``bool``, ``Literal``, unions, fixed tuples, dicts and
+``float``, ``str``, ``bool``, ``Literal``, unions, tuples (fixed, or ``tuple[X, ...]``), dicts and
 nested dataclasses), converts where that is lossless (int → float, list →
 tuple), reports unknown fields, and then lets each dataclass's
 ``__post_init__`` check the rules between fields by raising
@@ -96,6 +96,11 @@ def _convert(tp: Any, value: Any) -> Any:
         return _BAD
     if tp is str:
         return value if isinstance(value, str) else _BAD
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            return _BAD
+        out = tuple(_convert(args[0], v) for v in value)
+        return _BAD if any(o is _BAD for o in out) else out
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             return _BAD
@@ -114,6 +119,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in args)
     if tp is type(None):
         return "null"
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"a list of {_describe(args[0])}s"
     if origin is tuple:
         return f"a list of {len(args)}: [" + ", ".join(_describe(a) for a in args) + "]"
     if origin is dict or tp is dict:

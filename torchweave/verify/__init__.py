@@ -34,7 +34,7 @@ from torchweave.runtime.executor import OptimizerFactory, StepConfig, default_op
 from torchweave.runtime.launch import LaunchConfig, RankContext, spawn
 from torchweave.verify.reference import _reference, clip_exact, recycled_forward
 from torchweave.verify.report import (
-    BF16_NOISE_FACTOR, BF16_TOLERANCE, TOLERANCES, Report, _rel_tensor,
+    BF16_NOISE_FACTOR, BF16_TOLERANCE, NOISE_FLOORS, STEP_FACTOR, TOLERANCES, Report, _rel_tensor,
 )
 
 SGD_LR = 0.05
@@ -118,6 +118,8 @@ class Case:
     """The one-device run of a bf16 case: ``recipe`` follows the runtime's bf16 recipe
     (see ``_reference``); ``fp32`` trains in fp32 (the fuzzer's, whose bf16 MoE draws
     route differently from the eager recipe: see ``BF16_TOLERANCE``)."""
+    dtype_note: str = ""
+    """Set by :func:`cast_cases` when a float64 case runs in float32 instead, and why."""
 
 
 def verify(model: torch.nn.Module, example_inputs: tuple[Any, ...], *, plan: PlanLike,
@@ -164,16 +166,38 @@ def cast_cases(cases: list[Case]) -> list[Case]:
     """Each case with its model and floating inputs cast to its dtype (bf16 plans: float32);
     a model shared by several cases is cast once, so they share one capture."""
     casts: dict[tuple[int, torch.dtype], torch.nn.Module] = {}
+    refused: dict[int, str] = {}  # model id → why it does not run in float64
     out = []
     for c in cases:
         dtype = torch.float32 if c.config.precision == "bf16" else getattr(torch, c.dtype)
+        if dtype == torch.float64 and id(c.model) not in refused:
+            refused[id(c.model)] = _float64_refusal(c.model, c.inputs)
+        note = refused.get(id(c.model), "") if dtype == torch.float64 else ""
+        if note:
+            c, dtype = dataclasses.replace(c, dtype="float32", dtype_note=note), torch.float32
         key = (id(c.model), dtype)
         if key not in casts:
             casts[key] = copy.deepcopy(c.model).to(dtype)  # floating parameters and buffers only
-        inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                       for x in c.inputs)
-        out.append(dataclasses.replace(c, model=casts[key], inputs=inputs))
+        out.append(dataclasses.replace(c, model=casts[key], inputs=_cast_inputs(c.inputs, dtype)))
     return out
+
+
+def _cast_inputs(inputs: tuple[Any, ...], dtype: torch.dtype) -> tuple[Any, ...]:
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                 for x in inputs)
+
+
+def _float64_refusal(model: torch.nn.Module, inputs: tuple[Any, ...]) -> str:
+    """Why ``model`` cannot run in float64 ('' when it can), from one forward of a float64
+    copy: some kernels have no float64 version (``torch._grouped_mm`` on CPU, which
+    transformers' MoE experts call), and such a model is verified in float32."""
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model).to(torch.float64)(*_cast_inputs(inputs, torch.float64))
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"judged in float32: the model does not run in float64 ({first[:160]})"
+    return ""
 
 
 def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchConfig,
@@ -196,11 +220,15 @@ def run_compiled(cases: list[Case], compiled: list[Compiled], *, launch: LaunchC
 def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_size: int,
             tolerance: float | None) -> Report:
     """One case's report from every rank's results and a one-device run."""
+    judged = _judged_dtype(case, comp)
     if tolerance is None:  # the compiled model's own dtype (run_compiled's callers cast it)
-        tolerance = TOLERANCES[_judged_dtype(case, comp)]
+        tolerance = TOLERANCES[judged]
     report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance,
-                    replicated=replication_note(comp.plan, comp.graph))
-    if case.dtype == "float64" and case.config.precision != "bf16" and _narrower(comp):
+                    replicated=replication_note(comp.plan, comp.graph),
+                    step_factor=1.0 if judged == "bf16" else STEP_FACTOR)
+    if case.dtype_note:
+        report.precision = case.dtype_note
+    elif case.dtype == "float64" and judged == "float32":
         report.precision = (f"judged in float32: the model computes in a narrower dtype than "
                             f"float64 ({_narrower(comp)})")
     errors = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if "error" in x]
@@ -232,14 +260,14 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
     report.comm = per_rank[0]["comm"]
     report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
     shapes = {p.target: p.meta.shape for p in comp.graph.params()}
-    mask = _judged_dtype(case, comp) != "float64"
+    floor = NOISE_FLOORS[judged]
     compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
-            _assemble([r["params"] for r in per_rank], shapes), truth, mask=mask)
+            _assemble([r["params"] for r in per_rank], shapes), truth, floor=floor)
     if case.sgd:
         sgd_ref = one_device(ref_precision, _sgd)
         report.sgd = compare_params(sgd_ref["params"], _assemble([r["sgd"] for r in per_rank], shapes),
-                                    truth if truth is not None else ref["grads"],
-                                    report.noise if mask else [], mask=mask)
+                                    truth if truth is not None else ref["grads"], report.noise,
+                                    floor=floor)
     return report
 
 
@@ -266,7 +294,7 @@ def _narrower(comp: Compiled) -> str:
 
 def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
             params: dict[str, torch.Tensor], truth: dict[str, torch.Tensor] | None = None,
-            *, mask: bool = True) -> None:
+            *, floor: float = NOISE_FLOORS["float32"]) -> None:
     """Fill ``report`` with norm-wise relative differences.
 
     A parameter whose true gradient is zero (a key bias before softmax, say)
@@ -277,29 +305,31 @@ def compare(report: Report, ref: dict[str, Any], grads: dict[str, torch.Tensor],
     the model's largest gradient, and left out of the after-steps comparison;
     the report names them and counts the elements. ``truth``: the gradients that
     tell which are zero (default ``ref``'s; a bf16 run passes the fp32 ones, since
-    bf16 rounding noise is far above the floor).
+    bf16 rounding noise is far above the floor). ``floor``: below what fraction of the
+    largest gradient a gradient is rounding noise (:data:`NOISE_FLOORS`, by dtype).
 
-    ``mask=False`` (float64) compares every parameter after the steps: rounding noise
-    of 1e-17 against AdamW's epsilon of 1e-8 moves nothing visibly there.
+    Float64 needs it too: a key bias's true gradient is exactly zero, its computed one
+    6e-20 of the largest (transformers' BERT), and the parameter after the steps is that
+    noise summed, so its relative difference is any size at all.
     """
     truth = ref["grads"] if truth is None else truth
     scale = max((float(g.double().norm()) for g in truth.values()), default=0.0)
-    floor = max(scale * 1e-6, 1e-12)
     for path, want in ref["grads"].items():
-        noise = float(truth.get(path, want).double().norm()) < floor
+        noise = float(truth.get(path, want).double().norm()) < max(scale * floor, 1e-300)
         if noise:
             report.noise.append(path)
         denom = max(scale, 1e-12) if noise else 1e-12
         report.grads[path] = _rel_tensor(grads[path], want, denom) if path in grads else float("inf")
-    report.params.update(compare_params(ref["params"], params, truth, report.noise if mask else [],
-                                        report.masked if mask else None, mask=mask))
+    report.params.update(compare_params(ref["params"], params, truth, report.noise, report.masked,
+                                        floor=floor))
 
 
 def compare_params(ref: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
                    truth: dict[str, torch.Tensor], noise: list[str],
-                   masked: dict[str, int] | None = None, *, mask: bool = True) -> dict[str, float]:
+                   masked: dict[str, int] | None = None, *,
+                   floor: float = NOISE_FLOORS["float32"]) -> dict[str, float]:
     """Each parameter's relative difference after the steps; zero-gradient parameters (``noise``)
-    and elements left out (counted into ``masked``)."""
+    and elements left out (counted into ``masked``): see :func:`compare`."""
     top = max((float(g.abs().max()) for g in truth.values() if g.numel()), default=0.0)
     out: dict[str, float] = {}
     for path, want in ref.items():
@@ -309,9 +339,9 @@ def compare_params(ref: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
             out[path] = float("inf")
             continue
         got = params[path]
-        g = truth.get(path) if mask else None
+        g = truth.get(path)
         if g is not None:
-            keep = g.abs() >= top * 1e-6  # elements whose own gradient is not rounding noise
+            keep = g.abs() >= top * floor  # elements whose own gradient is not rounding noise
             if not bool(keep.all()):
                 if masked is not None:
                     masked[path] = int((~keep).sum())
