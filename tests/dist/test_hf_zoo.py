@@ -11,6 +11,8 @@ import functools
 
 import pytest
 
+import torchweave
+
 from tests.conftest import built
 from torchweave.models.hf_zoo import MOE, ZOO
 from torchweave.verify import Case, verify_many
@@ -24,7 +26,7 @@ def reports() -> dict[tuple[str, str], object]:
     cases, keys = [], []
     for name in ARCHS:
         model, inputs = built(name)[:2]
-        for policy in POLICIES:
+        for policy in (*POLICIES, "ep") if name in MOE else POLICIES:
             cases.append(Case(model, inputs, policy, steps=2, name=f"{name}/{policy}"))
             keys.append((name, policy))
     return dict(zip(keys, verify_many(cases, world_size=2)))
@@ -49,3 +51,18 @@ def test_moe_families_are_judged_in_float32_and_say_why(name: str) -> None:
     pytest.importorskip("transformers")
     report = reports()[(name, "dp")]
     assert report.tolerance == 1e-5 and "does not run in float64" in report.precision
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", MOE)
+def test_moe_families_under_ep_run_as_data_parallelism_and_match(name: str) -> None:
+    """transformers' grouped experts split their rows at offsets known only at run time, so
+    ``ep`` finds no expert op to split there: it runs as dp (the plan says so), correctly."""
+    pytest.importorskip("transformers")
+    from torchweave.policies import resolve
+
+    report = reports()[(name, "ep")]
+    assert report.ok, str(report)
+    model, inputs = built(name)[:2]
+    plan = resolve("ep", torchweave.capture(model, inputs), 2)
+    assert "runs as data parallelism" in plan.notes["experts"]

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from tests.conftest import built
+from tests.conftest import built, captured
 from torchweave.verify import Case, verify_many
 
 MODELS = ["gpt-tiny", "llama-tiny", "moe-tiny", "vit-tiny", "hf-gpt2-tiny", "hf-llama-tiny"]
@@ -117,3 +117,24 @@ def test_every_policy_runs_on_one_rank() -> None:
              for name in ("dp", "zero1", "zero2", "zero3", "tp", "sp")]
     bad = [str(r) for r in verify_many(cases, world_size=1) if not r.ok]
     assert not bad, "\n\n".join(bad)
+
+
+@pytest.mark.dist
+def test_expert_parallelism_splits_the_experts_and_matches_one_device() -> None:
+    """``ep``: each rank holds and runs its share of the experts; the dispatched tokens reach
+    them by a derived reduce-scatter and come back by an all-gather."""
+    from torchweave.policies import resolve
+
+    model, inputs = built("moe-tiny")[:2]
+    plans = ["ep", "ep:ep=2"]  # ep=4 (one expert each), and dp=2 × ep=2
+    for text in plans:
+        plan = resolve(text, captured("moe-tiny"), 4)
+        assert plan.notes["experts"].startswith("4 expert ops split"), plan.notes
+    reports = verify_many([Case(model, inputs, p, steps=3, name=p) for p in plans], world_size=4)
+    for report in reports:
+        assert report.ok, str(report)
+        assert not report.replicated, report.replicated  # the experts' einsums are split
+    # ep=4: each rank's partial dispatch is reduce-scattered to the experts' owners, one per
+    # MoE layer (with dp=2 as well, the sum also runs over dp: an all-reduce, then each keeps
+    # its experts)
+    assert reports[0].comm.get("reduce_scatter/fwd", 0) >= 2, reports[0].comm

@@ -176,7 +176,7 @@ class MoEGPT(nn.Module):
         """``idx``: [B, T]. Returns LM loss + aux_loss_coef * mean load-balancing loss, else logits."""
         T = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        aux_total = x.new_zeros((), dtype=torch.float32)
+        aux_total = upcast(x.new_zeros(()))  # float32 at least, as the routers compute
         for block in self.blocks:
             x, aux = block(x)
             aux_total = aux_total + aux

@@ -14,6 +14,7 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.data import dp, zero1, zero2, zero3
+from torchweave.policies.expert import ep
 from torchweave.policies.pipeline import SCHEDULES
 from torchweave.policies.pipeline import interlaced
 from torchweave.policies.pipeline import pipeline as pipeline_policy
@@ -22,7 +23,7 @@ from torchweave.policies.tensor import sp, tp
 
 Policy = Callable[..., Plan]
 POLICIES: dict[str, Policy] = {
-    "dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "tp": tp, "sp": sp,
+    "dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "tp": tp, "sp": sp, "ep": ep,
     "random": random_plan,
     **{name: functools.partial(pipeline_policy, schedule=name) for name in SCHEDULES},
     "interlaced": interlaced,
@@ -52,4 +53,4 @@ def resolve(plan: PlanLike, graph: Graph, world_size: int) -> Plan:
                                   rule="a Plan, a policy function or a policy name"))
 
 
-__all__ = ["POLICIES", "dp", "pipeline_policy", "resolve", "random_plan", "sp", "tp", "zero1", "zero2", "zero3"]
+__all__ = ["POLICIES", "dp", "ep", "pipeline_policy", "resolve", "random_plan", "sp", "tp", "zero1", "zero2", "zero3"]

@@ -14,6 +14,8 @@ Options (each policy takes those listed in :data:`OPTIONS`):
 ``dp``        data-parallel degree (default: for ``dp`` and ``zero*`` the world size;
               for pipelines given ``pp``, world / (pp × tp); else 1)
 ``tp``        tensor-parallel degree (``tp``, ``sp``, pipelines)
+``ep``        expert-parallel degree (``ep``: experts split over ``ep`` devices, every
+              device's own tokens; ``dp`` × ``ep`` = world; :mod:`torchweave.policies.expert`)
 ``pp``        pipeline ranks (pipelines; default: world / (dp × tp))
 ``micro``     micro-batches per step (pipelines; default 2 × pp)
 ``accum``     micro-batches per step without a pipeline (gradient accumulation: the
@@ -54,6 +56,7 @@ from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.coshard import parse_coshard, with_coshard_spec
 from torchweave.policies.data import dp as dp_policy
+from torchweave.policies.expert import ep as ep_policy
 from torchweave.policies.pipeline import SCHEDULES, interlaced
 from torchweave.policies.pipeline import pipeline as pipeline_policy
 from torchweave.policies.random import random_plan
@@ -69,6 +72,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "zero3": ("dp", "recompute", "accum", "coshard"),
     "tp": ("tp", "dp", "zero", "recompute", "split", "accum", "coshard"),
     "sp": ("tp", "dp", "zero", "recompute", "accum", "coshard"),
+    "ep": ("ep", "dp", "recompute", "accum"),
     "random": ("recompute",),
     **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
     "interleaved": (*_PIPE, "virtual"),
@@ -162,8 +166,8 @@ class PlanSpec:
     def dp(self, world_size: int) -> int:
         """The data-parallel degree: ranks that see different samples."""
         o = self.options
-        if self.policy in ("dp", "zero1", "zero2", "zero3"):
-            return o.get("dp", world_size)
+        if self.policy in ("dp", "zero1", "zero2", "zero3", "ep"):
+            return o.get("dp", world_size) if self.policy != "ep" else world_size
         if self.policy in ("tp", "sp"):
             if "dp" in o:
                 return o["dp"]
@@ -224,6 +228,16 @@ class PlanSpec:
             if o.get("zero"):
                 plan.zero, plan.zero_axis = o["zero"], "dp"
                 plan.name = f"{plan.name}+zero{o['zero']}"
+        elif name == "ep":
+            ep, dp = o.get("ep"), o.get("dp")
+            if ep is None:
+                ep = world_size if dp is None else (world_size // dp if world_size % dp == 0 else 0)
+            if ep < 1 or ep * (dp or world_size // ep) != world_size:
+                raise TorchweaveError(Problem(
+                    obj=f"plan {self.text!r}", value=f"ep={ep}, dp={dp}",
+                    rule=f"the mesh covers the world: ep × dp = world_size ({world_size})",
+                    fix=f"choose ep and dp whose product is {world_size}"))
+            plan = ep_policy(graph, world_size, ep_size=ep)
         elif name == "auto":
             raise TorchweaveError(Problem(
                 obj=f"plan {self.text!r}", value="auto",

@@ -1,0 +1,121 @@
+"""Expert parallelism against data parallelism on one MoE model: tokens/s and bytes moved.
+
+Both plans train the same MoE GPT (8 experts, top-2, fixed capacity) on the same
+batches in one launch of 4 gloo ranks, interleaved step by step; each launch reports
+rank 0's median step time and the bytes it sent per step (counted by the runtime's
+collectives), and the table gives the medians over ``--launches`` launches and the
+ratios ep / dp (tokens/s: above 1 is ep faster; bytes: below 1 is ep moving less).
+Also the simulator's prediction of both plans on a GPU cluster for a larger model.
+
+    python bench/ep.py [--launches 3] [--steps 6] [--no-readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.readme_section import write_section  # noqa: E402
+
+WORLD, BATCH, SEQ = 4, 8, 64
+PLANS = ("dp", "ep")
+
+
+def model_and_batch():
+    from torchweave.models.moe import MoEConfig, MoEGPT
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=4, d_model=128,
+                    ffn_hidden=512, n_expert=8, top_k=2)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
+    return MoEGPT(cfg), (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+def rank_main(ctx, warmup: int, steps: int) -> dict[str, dict[str, float]]:
+    import torchweave
+
+    model, batch = model_and_batch()
+    mods = {p: torchweave.parallelize(model, batch, plan=p, groups=ctx.groups) for p in PLANS}
+    times = {p: [] for p in PLANS}
+    sent = {p: 0 for p in PLANS}
+    for i in range(warmup + steps):
+        for p in (PLANS if i % 2 == 0 else PLANS[::-1]):
+            dist.barrier()
+            with ctx.groups.counter.window() as window:
+                t0 = time.perf_counter()
+                mods[p].train_step(*batch)
+                dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[p].append(dt)
+                sent[p] = window.nbytes()
+    return {p: {"ms": statistics.median(times[p]) * 1e3, "bytes": sent[p]} for p in PLANS}
+
+
+def predicted() -> list[str]:
+    """The simulator's step of a larger MoE (64 experts) under dp and ep on 8 A100s."""
+    import torchweave
+    from torchweave.models.moe import MoEConfig, MoEGPT
+    from torchweave.policies import resolve
+    from torchweave.sim.hardware.cluster import parse_cluster
+    from torchweave.sim.simulate import simulate
+
+    cfg = MoEConfig(vocab_size=32000, block_size=1024, n_layer=8, n_head=16, d_model=1024,
+                    ffn_hidden=4096, n_expert=64, top_k=2)
+    with torch.device("meta"):
+        model = MoEGPT(cfg)
+        ids = torch.zeros(16, 1024, dtype=torch.long)
+    graph = torchweave.capture(model, (ids, ids))
+    cluster = parse_cluster("8xA100-80GB-SXM@8")
+    rows = []
+    for plan in PLANS:
+        r = simulate(graph, resolve(plan, graph, 8), cluster, dtype=torch.bfloat16)
+        rows.append((plan, r.step_time * 1e3, max(m.peak for m in r.memory) / 2**30))
+    return rows
+
+
+def main() -> None:
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--no-readme", action="store_true")
+    args = ap.parse_args()
+    runs = []
+    for _ in range(args.launches):
+        cfg = LaunchConfig(world_size=WORLD, threads_per_rank=1, timeout_s=300.0)
+        runs.append(spawn(rank_main, cfg, args.warmup, args.steps)[0])
+        print(runs[-1], flush=True)
+    tokens = BATCH * SEQ
+    med = {p: {k: statistics.median(r[p][k] for r in runs) for k in ("ms", "bytes")} for p in PLANS}
+    lines = ["| plan | step ms (median) | tokens/s | bytes sent per step, rank 0 |", "|---|---|---|---|"]
+    for p in PLANS:
+        lines.append(f"| {p} | {med[p]['ms']:.1f} | {tokens / med[p]['ms'] * 1e3:.0f} | "
+                     f"{med[p]['bytes'] / 1e6:.2f} MB |")
+    lines += ["", f"ep / dp: tokens/s {med['dp']['ms'] / med['ep']['ms']:.2f}x, bytes "
+                  f"{med['ep']['bytes'] / max(med['dp']['bytes'], 1):.2f}x "
+                  f"(medians of {args.launches} launches of {WORLD} ranks on 2 cores)", ""]
+    sim = predicted()
+    lines += ["Predicted by the simulator, a 64-expert MoE (d 1024, 8 layers, batch 16 × 1024) "
+              "on `8xA100-80GB-SXM@8`:", "", "| plan | step ms | peak memory GiB |", "|---|---|---|"]
+    lines += [f"| {p} | {ms:.1f} | {gib:.1f} |" for p, ms, gib in sim]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.no_readme:
+        write_section("ep", f"python bench/ep.py --launches {args.launches} --steps {args.steps}", text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,93 @@
+"""Expert parallelism as a split rule: experts split across devices, tokens split as in
+data parallelism, and the communication between them derived by lowering.
+
+The mesh is ``dp × ep``. Every op splits its batch over both axes, as under ``dp``,
+except an op fed by an *expert parameter* (a parameter of rank 3 or more whose first
+axis is a dim the op keeps, not a contraction: ``w_in[e, d, f]`` in
+``einsum("ecd,edf->ecf")``): on ``ep`` it splits along that expert dim, so each device
+holds and runs ``E / ep`` experts, and on ``dp`` along its tokens' slots (``c``), so
+the replicas of one expert share its work. Nothing else is decided by hand: where the tokens' layout
+meets the experts' (the dispatch ``einsum("tec,td->ecd")`` sums over each device's own
+tokens), lowering turns the partial sums into a reduce-scatter along the experts, and
+the combine gathers the experts' outputs back to each device's tokens. Expert
+gradients are summed over ``dp`` only: each ``ep`` rank owns its experts.
+
+Routing that sorts tokens by expert into data-dependent groups (transformers' grouped
+matmul, whose row offsets come from a histogram) cannot split its experts this way: a
+split of the experts would split the rows at offsets known only at run time. Such
+models run ``ep`` as data parallelism, and the plan's note says so.
+"""
+
+from __future__ import annotations
+
+from torchweave.errors import Problem, TorchweaveError
+from torchweave.ir.graph import Graph
+from torchweave.plan.layout import Mesh
+from torchweave.plan.plan import Plan
+from torchweave.plan.propagate import DEFAULT, Context, propagate
+from torchweave.policies.data import batch_inputs
+
+
+def expert_dim(ctx: Context) -> str | None:
+    """The dim of this op that indexes the experts of one of its parameter inputs (ops that
+    compute only: a transposed view of the experts' weights is not one)."""
+    spec = ctx.op.bound.annotation
+    if ctx.op.flops <= 0:
+        return None
+    for k, ref in enumerate(ctx.node.input_refs()):
+        v = ctx.graph.values[ref.name]
+        if v.kind != "param" or len(v.meta.shape) < 3 or k >= len(spec.inputs):
+            continue
+        dim = ctx.lead_dim(k, 0)
+        if dim is not None and ctx.op.bound.dim(dim).kind != "reduce" and ctx.can_split(dim):
+            return dim
+    return None
+
+
+def slot_dim(ctx: Context, expert: str) -> str | None:
+    """A dim of the op's activation input that the op keeps, other than the experts': the
+    expert's token slots (``c`` of ``ecd``), which ``dp`` splits among its replicas."""
+    spec = ctx.op.bound.annotation
+    for k, ref in enumerate(ctx.node.input_refs()):
+        if ctx.graph.values[ref.name].kind == "param" or k >= len(spec.inputs) or spec.inputs[k].opaque:
+            continue
+        for axis in spec.inputs[k].axes:
+            dim = axis.dims[0].name if axis.dims else None
+            if dim and dim != expert and ctx.op.bound.dim(dim).kind != "reduce" and ctx.can_split(dim):
+                return dim
+    return None
+
+
+def _experts(found: list[str]):
+    def rule(ctx: Context):
+        dim = expert_dim(ctx)
+        if dim is None:
+            return DEFAULT
+        if ctx.axis == "ep":
+            found.append(ctx.node.name)
+            return dim
+        return slot_dim(ctx, dim) or DEFAULT  # dp: each replica its share of the slots
+
+    return rule
+
+
+def ep(graph: Graph, world_size: int, *, ep_size: int | None = None) -> Plan:
+    """Experts split over ``ep_size`` devices (default: all), the batch over every device."""
+    ep_size = ep_size or world_size
+    if world_size % ep_size:
+        raise TorchweaveError(Problem(
+            obj="ep policy", value=f"ep={ep_size}",
+            rule=f"ep divides the world: {world_size} % {ep_size} != 0",
+            fix=f"e.g. ep={next(d for d in range(min(ep_size, world_size), 0, -1) if world_size % d == 0)}"))
+    mesh = Mesh.of(dp=world_size // ep_size, ep=ep_size)
+    inputs = batch_inputs(graph, "dp", mesh.dim("dp"))
+    both = batch_inputs(graph, "ep", world_size)  # checks the batch divides over every device
+    for name, axes in both.items():
+        inputs.setdefault(name, {}).update(axes)
+    found: list[str] = []
+    plan = propagate(graph, mesh, inputs=inputs, rule=_experts(found), name="ep")
+    plan.notes["policy"] = f"ep(ep_size={ep_size}, dp={mesh.dim('dp')})"
+    plan.notes["experts"] = (f"{len(found)} expert ops split over ep={ep_size}" if found else
+                             "no expert parameters found (rank >= 3, first axis kept by the op): "
+                             "ep runs as data parallelism")
+    return plan
