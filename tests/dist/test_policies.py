@@ -126,13 +126,15 @@ def test_expert_parallelism_splits_the_experts_and_matches_one_device() -> None:
     from torchweave.policies import resolve
 
     model, inputs = built("moe-tiny")[:2]
-    plans = ["ep", "ep:ep=2"]  # ep=4 (one expert each), and dp=2 × ep=2
+    # ep=4 (one expert each); dp=2 × ep=2, with ZeRO-1; ep=2 × tp=2; a pipeline of ep=2 stages
+    plans = ["ep", "ep:ep=2", "ep:ep=2,zero=1", "ep:ep=2,tp=2", "1f1b:ep=2,pp=2,micro=2"]
     for text in plans:
         plan = resolve(text, captured("moe-tiny"), 4)
         assert plan.notes["experts"].startswith("4 expert ops split"), plan.notes
     reports = verify_many([Case(model, inputs, p, steps=3, name=p) for p in plans], world_size=4)
     for report in reports:
         assert report.ok, str(report)
+    for report in reports[:3]:
         assert not report.replicated, report.replicated  # the experts' einsums are split
     # ep=4: each rank's partial dispatch is reduce-scattered to the experts' owners, one per
     # MoE layer (with dp=2 as well, the sum also runs over dp: an all-reduce, then each keeps

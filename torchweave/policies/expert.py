@@ -3,7 +3,7 @@ data parallelism, and the communication between them derived by lowering.
 
 The mesh is ``dp × ep``. Every op splits its batch over both axes, as under ``dp``,
 except an op fed by an *expert parameter* (a parameter of rank 3 or more whose first
-axis is a dim the op keeps, not a contraction: ``w_in[e, d, f]`` in
+axis is a dim the op keeps and shares with its activation: ``w_in[e, d, f]`` in
 ``einsum("ecd,edf->ecf")``): on ``ep`` it splits along that expert dim, so each device
 holds and runs ``E / ep`` experts, and on ``dp`` along its tokens' slots (``c``), so
 the replicas of one expert share its work. Nothing else is decided by hand: where the tokens' layout
@@ -26,22 +26,36 @@ from torchweave.plan.layout import Mesh
 from torchweave.plan.plan import Plan
 from torchweave.plan.propagate import DEFAULT, Context, propagate
 from torchweave.policies.data import batch_inputs
+from torchweave.policies.tensor import megatron
 
 
 def expert_dim(ctx: Context) -> str | None:
-    """The dim of this op that indexes the experts of one of its parameter inputs (ops that
+    """The dim of this op that indexes the experts of one of its parameter inputs: the
+    weight's first axis, kept by the op and shared with its activation input, as in a
+    batched matmul over experts (not a convolution's output channels; and ops that
     compute only: a transposed view of the experts' weights is not one)."""
     spec = ctx.op.bound.annotation
     if ctx.op.flops <= 0:
         return None
-    for k, ref in enumerate(ctx.node.input_refs()):
+    refs = ctx.node.input_refs()
+    batched = {a.dims[0].name for k, ref in enumerate(refs) if k < len(spec.inputs)
+               and ctx.graph.values[ref.name].kind != "param" and not spec.inputs[k].opaque
+               for a in spec.inputs[k].axes if a.dims}
+    for k, ref in enumerate(refs):
         v = ctx.graph.values[ref.name]
         if v.kind != "param" or len(v.meta.shape) < 3 or k >= len(spec.inputs):
             continue
         dim = ctx.lead_dim(k, 0)
-        if dim is not None and ctx.op.bound.dim(dim).kind != "reduce" and ctx.can_split(dim):
+        if dim in batched and ctx.op.bound.dim(dim).kind != "reduce" and ctx.can_split(dim):
             return dim
     return None
+
+
+def has_experts(graph: Graph) -> bool:
+    """Whether ``graph`` has an op that ``ep`` would split by experts (on 2 devices)."""
+    if not any(v.kind == "param" and len(v.meta.shape) >= 3 for v in graph.values.values()):
+        return False
+    return ep(graph, 2).notes["experts"][0].isdigit()
 
 
 def slot_dim(ctx: Context, expert: str) -> str | None:
@@ -58,8 +72,35 @@ def slot_dim(ctx: Context, expert: str) -> str | None:
     return None
 
 
+def expert_tp(ctx: Context, expert: str) -> str | None:
+    """Megatron's choice inside an expert: the contraction when the activation arrives split
+    on it (row-parallel: partial sums), else a dim the expert's weight adds (column-parallel:
+    ``f`` of ``w_in[e, d, f]``)."""
+    spec = ctx.op.bound.annotation
+    for k, ref in enumerate(ctx.node.input_refs()):
+        place = ctx.inputs[k] if k < len(ctx.inputs) else ("R",)
+        if ctx.graph.values[ref.name].kind != "param" and place[0] == "S":
+            dim = ctx.lead_dim(k, place[1])
+            if dim is not None and ctx.op.bound.dim(dim).kind == "reduce" and ctx.can_split(dim):
+                return dim
+    taken = {a.dims[0].name for k, ref in enumerate(ctx.node.input_refs())
+             if ctx.graph.values[ref.name].kind != "param" and k < len(spec.inputs)
+             and not spec.inputs[k].opaque for a in spec.inputs[k].axes if a.dims}
+    for k, ref in enumerate(ctx.node.input_refs()):
+        if ctx.graph.values[ref.name].kind == "param" and k < len(spec.inputs) and not spec.inputs[k].opaque:
+            for axis in spec.inputs[k].axes:
+                dim = axis.dims[0].name if axis.dims else None
+                if dim and dim != expert and dim not in taken and ctx.can_split(dim) \
+                        and ctx.op.bound.dim(dim).kind != "reduce":
+                    return dim
+    return None
+
+
 def _experts(found: list[str]):
     def rule(ctx: Context):
+        if ctx.axis == "tp":
+            dim = expert_dim(ctx)
+            return megatron(ctx) if dim is None else (expert_tp(ctx, dim) or DEFAULT)
         dim = expert_dim(ctx)
         if dim is None:
             return DEFAULT
@@ -71,22 +112,26 @@ def _experts(found: list[str]):
     return rule
 
 
-def ep(graph: Graph, world_size: int, *, ep_size: int | None = None) -> Plan:
-    """Experts split over ``ep_size`` devices (default: all), the batch over every device."""
-    ep_size = ep_size or world_size
-    if world_size % ep_size:
+def ep(graph: Graph, world_size: int, *, ep_size: int | None = None, tp_size: int = 1,
+       zero: int = 0) -> Plan:
+    """Experts split over ``ep_size`` devices (default: all but ``tp``'s), the batch over
+    ``dp × ep``; with ``tp_size`` > 1, Megatron's tensor parallelism inside each
+    (:func:`~torchweave.policies.tensor.megatron`); ``zero``: ZeRO over ``dp``."""
+    ep_size = ep_size or world_size // tp_size
+    if ep_size < 1 or world_size % (ep_size * tp_size):
         raise TorchweaveError(Problem(
-            obj="ep policy", value=f"ep={ep_size}",
-            rule=f"ep divides the world: {world_size} % {ep_size} != 0",
-            fix=f"e.g. ep={next(d for d in range(min(ep_size, world_size), 0, -1) if world_size % d == 0)}"))
-    mesh = Mesh.of(dp=world_size // ep_size, ep=ep_size)
+            obj="ep policy", value=f"ep={ep_size}, tp={tp_size}",
+            rule=f"ep × tp divides the world ({world_size})",
+            fix=f"choose ep and tp whose product divides {world_size}"))
+    mesh = Mesh.of(dp=world_size // (ep_size * tp_size), ep=ep_size, tp=tp_size)
     inputs = batch_inputs(graph, "dp", mesh.dim("dp"))
-    both = batch_inputs(graph, "ep", world_size)  # checks the batch divides over every device
+    both = batch_inputs(graph, "ep", mesh.dim("dp") * ep_size)  # the batch divides over dp × ep
     for name, axes in both.items():
         inputs.setdefault(name, {}).update(axes)
     found: list[str] = []
     plan = propagate(graph, mesh, inputs=inputs, rule=_experts(found), name="ep")
-    plan.notes["policy"] = f"ep(ep_size={ep_size}, dp={mesh.dim('dp')})"
+    plan.zero, plan.zero_axis = (zero, "dp") if zero and mesh.dim("dp") > 1 else (0, None)
+    plan.notes["policy"] = f"ep(ep_size={ep_size}, dp={mesh.dim('dp')}, tp={tp_size}, zero={plan.zero})"
     plan.notes["experts"] = (f"{len(found)} expert ops split over ep={ep_size}" if found else
                              "no expert parameters found (rank >= 3, first axis kept by the op): "
                              "ep runs as data parallelism")

@@ -35,6 +35,7 @@ from torchweave.plan.schedules import (
     Action, Kind, Schedule, builtin, check_stage_count, from_csv, loop_stage_to_rank,
 )
 from torchweave.policies.data import dp as dp_policy
+from torchweave.policies.expert import ep as ep_policy
 from torchweave.policies.recompute import block_of as _block
 from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
@@ -47,8 +48,9 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              pp: int | None = None, tp: int = 1, dp: int | None = None, micro: int | None = None,
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
              cuts: list[int] | None = None, recycle: int = 1,
-             dims: dict[str, str | None] | None = None, sequence: bool = False) -> Plan:
-    """A pipelined plan: ``pp`` groups of ``dp * tp`` devices, ``micro`` micro-batches.
+             dims: dict[str, str | None] | None = None, sequence: bool = False,
+             ep: int = 1) -> Plan:
+    """A pipelined plan: ``pp`` groups of ``dp * ep * tp`` devices, ``micro`` micro-batches.
 
     Defaults: ``dp = world_size / (pp * tp)`` when ``pp`` is given, else 1;
     ``pp = world_size / (dp * tp)``, ``virtual = 2`` stages per rank
@@ -58,22 +60,23 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     model's ``recycle`` attribute says (see :func:`with_recycle`). ``dims``: each
     node's split on ``tp`` inside a stage (see :func:`~torchweave.policies.tensor.tp`);
     ``sequence``: Megatron's split with sequence parallelism inside each stage
-    (:func:`~torchweave.policies.tensor.sp`).
+    (:func:`~torchweave.policies.tensor.sp`). ``ep`` > 1: each stage splits its experts
+    over ``ep`` devices (:func:`~torchweave.policies.expert.ep`).
     """
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
                                       rule=f"one of {', '.join(SCHEDULES)}"))
     if dp is None:
-        dp = world_size // (pp * tp) if pp and tp and world_size % (pp * tp) == 0 else 1
-    inner = tp * dp
+        dp = world_size // (pp * tp * ep) if pp and tp and world_size % (pp * tp * ep) == 0 else 1
+    inner = tp * dp * ep
     if pp is None:
         pp = world_size // inner if inner >= 1 and world_size % inner == 0 else 0
     if pp < 1 or pp * inner != world_size:
         raise TorchweaveError(Problem(
-            obj=f"{schedule} plan", value=f"pp={pp}, dp={dp}, tp={tp}",
-            rule=f"the mesh covers the world: pp({pp}) * dp({dp}) * tp({tp}) = {pp * inner} "
-                 f"!= world_size({world_size})",
-            fix=f"choose pp, dp and tp whose product is {world_size}"
+            obj=f"{schedule} plan", value=f"pp={pp}, dp={dp}, tp={tp}" + (f", ep={ep}" if ep > 1 else ""),
+            rule=f"the mesh covers the world: pp({pp}) * dp({dp}) * tp({tp})"
+                 + (f" * ep({ep})" if ep > 1 else "") + f" = {pp * inner} != world_size({world_size})",
+            fix=f"choose pp, dp{', ep' if ep > 1 else ''} and tp whose product is {world_size}"
                 + (f", or run on {pp * inner} ranks (a cluster of {pp * inner} devices)"
                    if pp >= 1 and pp * inner > world_size else "")))
     virtual = virtual or (2 if schedule == "interleaved" else 1)
@@ -90,9 +93,16 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
         raise TorchweaveError(Problem(obj=f"{schedule} plan", value="sequence and dims",
                                       rule="a stage splits by one rule: sequence parallelism "
                                            "or given dims", fix="pass one of them"))
-    plan = _group_plan(graph, inner, tp, dp, zero, dims, sequence)
+    if ep > 1:
+        if sequence or dims is not None:
+            raise TorchweaveError(Problem(obj=f"{schedule} plan", value=f"ep={ep}",
+                                          rule="expert parallelism splits with Megatron's rules",
+                                          fix="drop split=sequence / split=solved, or ep"))
+        plan = ep_policy(graph, inner, ep_size=ep, tp_size=tp, zero=zero)
+    else:
+        plan = _group_plan(graph, inner, tp, dp, zero, dims, sequence)
     stage_of = cut(graph, n_stages) if cuts is None else cut_at(graph, cuts, n_stages)
-    mesh = Mesh.of(pp=pp, dp=dp, tp=tp)
+    mesh = Mesh.of(pp=pp, dp=dp, ep=ep, tp=tp) if ep > 1 else Mesh.of(pp=pp, dp=dp, tp=tp)
     groups = [tuple(range(k * inner, (k + 1) * inner)) for k in range(pp)]
     stage_rank = list(loop_stage_to_rank(n_stages, pp).values())
     for node, devices in plan.assignment.items():
@@ -103,6 +113,7 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     plan.pipeline = Pipeline(groups=groups, stage_of=stage_of, stage_rank=stage_rank,
                              micro_batches=micro, schedule=order, kind=schedule)
     plan.notes["policy"] = (f"pipeline(schedule={schedule!r}, pp={pp}, dp={dp}, tp={tp}, "
+                            + (f"ep={ep}, " if ep > 1 else "") +
                             f"micro={micro}, virtual={virtual}, zero={zero}"
                             f"{', sequence' if sequence else ''})")
     if recycle != 1:

@@ -14,8 +14,9 @@ Options (each policy takes those listed in :data:`OPTIONS`):
 ``dp``        data-parallel degree (default: for ``dp`` and ``zero*`` the world size;
               for pipelines given ``pp``, world / (pp × tp); else 1)
 ``tp``        tensor-parallel degree (``tp``, ``sp``, pipelines)
-``ep``        expert-parallel degree (``ep``: experts split over ``ep`` devices, every
-              device's own tokens; ``dp`` × ``ep`` = world; :mod:`torchweave.policies.expert`)
+``ep``        expert-parallel degree (``ep`` and pipelines: experts split over ``ep``
+              devices, every device its own tokens; ``dp`` × ``ep`` × ``tp`` = world, or
+              per stage with ``pp``; :mod:`torchweave.policies.expert`)
 ``pp``        pipeline ranks (pipelines; default: world / (dp × tp))
 ``micro``     micro-batches per step (pipelines; default 2 × pp)
 ``accum``     micro-batches per step without a pipeline (gradient accumulation: the
@@ -64,7 +65,7 @@ from torchweave.policies.recompute import MODES, with_recompute
 from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
-_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split", "coshard")
+_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split", "coshard", "ep")
 _PIPELINES = (*SCHEDULES, "interlaced")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "dp": ("dp", "zero", "recompute", "accum", "coshard"),
@@ -72,7 +73,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "zero3": ("dp", "recompute", "accum", "coshard"),
     "tp": ("tp", "dp", "zero", "recompute", "split", "accum", "coshard"),
     "sp": ("tp", "dp", "zero", "recompute", "accum", "coshard"),
-    "ep": ("ep", "dp", "recompute", "accum"),
+    "ep": ("ep", "dp", "tp", "zero", "recompute", "accum"),
     "random": ("recompute",),
     **{name: _PIPE for name in SCHEDULES if name != "interleaved"},
     "interleaved": (*_PIPE, "virtual"),
@@ -174,7 +175,7 @@ class PlanSpec:
             return world_size // o["tp"] if "tp" in o and world_size % o["tp"] == 0 else 1
         if self.policy in OPTIONS and self.policy not in ("random", "interlaced"):
             if "dp" in o or "pp" not in o:
-                return o.get("dp", 1)
+                return o.get("dp", 1) * o.get("ep", 1)
             inner = o["pp"] * o.get("tp", 1)
             return world_size // inner if world_size % inner == 0 else 1
         return 1
@@ -229,15 +230,16 @@ class PlanSpec:
                 plan.zero, plan.zero_axis = o["zero"], "dp"
                 plan.name = f"{plan.name}+zero{o['zero']}"
         elif name == "ep":
-            ep, dp = o.get("ep"), o.get("dp")
+            ep, dp, tp = o.get("ep"), o.get("dp"), o.get("tp", 1)
             if ep is None:
-                ep = world_size if dp is None else (world_size // dp if world_size % dp == 0 else 0)
-            if ep < 1 or ep * (dp or world_size // ep) != world_size:
+                rest = world_size // tp if world_size % tp == 0 else 0
+                ep = rest if dp is None else (rest // dp if dp and rest % dp == 0 else 0)
+            if ep < 1 or ep * tp * (dp or world_size // (ep * tp) or 1) != world_size:
                 raise TorchweaveError(Problem(
-                    obj=f"plan {self.text!r}", value=f"ep={ep}, dp={dp}",
-                    rule=f"the mesh covers the world: ep × dp = world_size ({world_size})",
-                    fix=f"choose ep and dp whose product is {world_size}"))
-            plan = ep_policy(graph, world_size, ep_size=ep)
+                    obj=f"plan {self.text!r}", value=f"ep={ep}, dp={dp}, tp={tp}",
+                    rule=f"the mesh covers the world: ep × dp × tp = world_size ({world_size})",
+                    fix=f"choose ep, dp and tp whose product is {world_size}"))
+            plan = ep_policy(graph, world_size, ep_size=ep, tp_size=tp, zero=o.get("zero", 0))
         elif name == "auto":
             raise TorchweaveError(Problem(
                 obj=f"plan {self.text!r}", value="auto",

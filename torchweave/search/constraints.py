@@ -11,7 +11,7 @@ YAML file in ``torchweave/search/presets/`` (:func:`preset`):
     preset: megatron          # start from a preset; the keys below override it
     tp: [1, 2, 4, 8]          # a list of allowed values,
     pp: {min: 1, max: 16}     # or a range (every divisor of the world inside it),
-    dp: any                   # or any divisor of the world
+    dp: any                   # or any divisor of the world (ep too: experts split, MoE only)
     micro: {max: 64}          # micro-batches per step (pipelines)
     virtual: [1, 2, 3, 4]     # stages per pipeline rank (interleaved)
     schedules: [none, 1f1b, interleaved, zb]   # none: no pipeline
@@ -54,7 +54,7 @@ PRESET_DIR = Path(__file__).with_name("presets")
 COSHARD = ("0", "2", "4", "8", "16")
 """Co-shard of the output head: 0 (none) or the chunks each device runs it in
 (:mod:`torchweave.policies.coshard`)."""
-TOP_KEYS = ("preset", "tp", "pp", "dp", "micro", "virtual", "schedules", "recompute", "coshard", "zero",
+TOP_KEYS = ("preset", "tp", "pp", "dp", "ep", "micro", "virtual", "schedules", "recompute", "coshard", "zero",
             "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
 OP_KEYS = ("type", "module", "name", "split", "parts", "replicate")
 RANGE_KEYS = ("min", "max", "powers_of_two")
@@ -123,6 +123,7 @@ class Constraints:
     tp: Degrees = ANY
     pp: Degrees = ANY
     dp: Degrees = ANY
+    ep: Degrees = ANY
     micro: Degrees = Degrees(hi=64)
     virtual: Degrees = Degrees(only=(1, 2, 3, 4))
     schedules: tuple[str, ...] = SCHEDULE_NAMES
@@ -238,7 +239,7 @@ class _Reader:
                                           f"{items['preset'].start_mark.line + 1}: preset")
                                   for p in exc.problems]
         out: dict[str, Any] = {}
-        for key in ("tp", "pp", "dp", "micro", "virtual"):
+        for key in ("tp", "pp", "dp", "ep", "micro", "virtual"):
             if key in items:
                 out[key] = self.degrees(items[key], key)
         if "schedules" in items:

@@ -128,8 +128,9 @@ def estimable(pt: Point) -> bool:
     not runs of blocks) nor ZeRO-3: its exposed time is each unit's gather against the
     compute of the unit before, unit by unit (``runtime/zero3.py``'s one-unit prefetch),
     which arithmetic on whole blocks misses by 6-12% (GPT-3 13B on 64 A100s). The
-    search simulates these points directly; there are few (ZeRO-3 is ``dp`` only)."""
-    return pt.schedule != "interlaced" and pt.zero < 3
+    search simulates these points directly; there are few (ZeRO-3 is ``dp`` only). Nor
+    expert parallelism: a block's proxy is planned without it."""
+    return pt.schedule != "interlaced" and pt.zero < 3 and pt.ep == 1
 
 
 def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision: str) -> Estimate:

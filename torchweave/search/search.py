@@ -43,6 +43,7 @@ from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.admit import admissible, op_rules
 from torchweave.search.constraints import Constraints, preset
+from torchweave.policies.expert import has_experts
 from torchweave.search.estimate import Estimate, Proxy, estimable, estimate, proxy
 from torchweave.search.intra import Partition, describe, solve, tp_dims
 from torchweave.search.pool import Failed, Runner, env_workers
@@ -161,7 +162,8 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     base = PlanSpec.parse("dp").build(graph, 1)
     blocks = find_blocks(graph, base, least=4)
     numbered = len({k for k in (block_of(n.module or "") for n in graph.nodes) if k})
-    pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered)
+    pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered,
+                           experts=has_experts(graph))
     say(f"{len(pts)} points in the space ({c.name}) for {world} ranks, batch {batch}, "
         f"{len(blocks) if blocks else 'no'} repeated blocks")
     ests: dict[Point, Estimate] = {}

@@ -33,6 +33,8 @@ class Point:
     """How ops split on ``tp``: ``rule`` (Megatron's) or ``solved`` (:mod:`~torchweave.search.intra`)."""
     coshard: int = 0
     """The output head run in this many chunks per device (0: whole; ``coshard=K``)."""
+    ep: int = 1
+    """Experts split over this many devices (``ep``; models with expert parameters only)."""
 
     @property
     def spec(self) -> str:
@@ -45,6 +47,10 @@ class Point:
             rec = ",".join(x for x in (rec, f"split={split}") if x)
         if self.coshard:
             rec = ",".join(x for x in (rec, f"coshard={self.coshard}") if x)
+        if self.schedule == "none" and self.ep > 1:
+            opts = [f"ep={self.ep}", f"dp={self.dp}", f"tp={self.tp}"] + (
+                [f"zero={self.zero}"] if self.zero else [])
+            return "ep:" + ",".join(opts + ([rec] if rec else []))
         if self.schedule == "none":
             if self.tp == 1:
                 base = "dp" if self.zero == 0 else f"zero{self.zero}"
@@ -56,6 +62,8 @@ class Point:
             opts.append(f"virtual={self.virtual}")
         if self.zero:
             opts.append(f"zero={self.zero}")
+        if self.ep > 1:
+            opts.append(f"ep={self.ep}")
         return f"{self.schedule}:" + ",".join(opts + ([rec] if rec else []))
 
 
@@ -63,13 +71,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int | None = None
-           ) -> tuple[list[Point], list[str]]:
+def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int | None = None,
+           experts: bool = False) -> tuple[list[Point], list[str]]:
     """Every point of the space for ``world`` ranks, a global batch of ``batch`` samples and
     ``blocks`` repeated blocks (0: no pipelines; ``numbered``: the model's numbered blocks,
     identical or not, which the interlaced pipeline spreads over the devices; default
     ``blocks``); and why the degrees the constraints allow are left out, where all of some
-    degree is."""
+    degree is. ``experts``: the model has expert parameters, so expert-parallel points
+    (:func:`expert_points`) join the space."""
     out: list[Point] = []
     why: list[str] = []
     tps = [t for t in divisors(world) if c.tp.allows(t)]
@@ -110,11 +119,38 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                                         out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp,
                                                          split, co))
     out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
+    if experts:
+        out += expert_points(world, batch, blocks, c)
     if tps and not out:
         why.append(f"no (tp, pp, dp, micro) in the constraints fits {world} ranks, a batch of "
                    f"{batch} and {blocks} blocks: tp {c.tp}, pp {c.pp}, dp {c.dp}, "
                    f"micro {c.micro}, schedules {', '.join(c.schedules)}")
     return sorted(set(out)), why
+
+
+def expert_points(world: int, batch: int, blocks: int, c: Constraints) -> list[Point]:
+    """Expert-parallel points: ``ep`` > 1 devices split the experts, ``dp × ep`` the batch,
+    with ``tp`` inside and, where the model has blocks, in pipelines (1F1B). ZeRO-1 and -2
+    only (ZeRO-3's gathers and ep's transfers can deadlock: ``parallel._check_zero3_order``)."""
+    out = []
+    for tp in (t for t in divisors(world) if c.tp.allows(t)):
+        for pp in (p for p in divisors(world // tp) if c.pp.allows(p)):
+            if pp > 1 and (not blocks or blocks % pp or "1f1b" not in c.schedules):
+                continue
+            if pp == 1 and "none" not in c.schedules:
+                continue
+            for ep in (e for e in divisors(world // (tp * pp)) if e > 1 and c.ep.allows(e)):
+                dp = world // (tp * pp * ep)
+                if not c.dp.allows(dp) or batch % (dp * ep):
+                    continue
+                local = batch // (dp * ep)
+                micros = [1] if pp == 1 else [m for m in divisors(local) if m >= pp and c.micro.allows(m)]
+                for m in micros:
+                    for zero in _zeros([z for z in c.zero if z <= (2 if pp == 1 else 1)], dp):
+                        for rec in c.recompute:
+                            out.append(Point(tp, pp, dp, m, "none" if pp == 1 else "1f1b", 1, rec,
+                                             zero, False, ep=ep))
+    return out
 
 
 def _kinds(tp: int, c: Constraints) -> list[tuple[bool, str]]:

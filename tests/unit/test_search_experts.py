@@ -1,0 +1,47 @@
+"""Expert parallelism in the search's space: points for models with expert parameters only,
+ranked by the simulator like any other; presets and constraints say which degrees."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import captured
+from torchweave.errors import TorchweaveError
+from torchweave.policies import resolve
+from torchweave.policies.expert import has_experts
+from torchweave.search import load_constraints, preset, search
+from torchweave.search.estimate import estimable
+from torchweave.search.space import points
+from torchweave.sim import parse_cluster
+
+
+def test_expert_points_join_the_space_of_models_with_experts_only() -> None:
+    assert has_experts(captured("moe-tiny")) and not has_experts(captured("gpt-tiny"))
+    assert not has_experts(captured("vit-tiny"))  # a convolution's output channels are not experts
+    pts, _ = points(4, 4, 2, preset("free"), experts=True)
+    eps = [p for p in pts if p.ep > 1]
+    assert {p.ep for p in eps} == {2, 4} and all(not estimable(p) for p in eps)
+    for p in eps:  # each is a plan string that builds on the model
+        plan = resolve(p.spec, captured("moe-tiny"), 4)
+        assert plan.notes["experts"].startswith("4 expert ops"), p.spec
+    assert not [p for p in points(4, 4, 2, preset("free"))[0] if p.ep > 1]
+    for name in ("dp", "zero3", "nnscaler", "alpa"):
+        assert not [p for p in points(4, 4, 2, preset(name), experts=True)[0] if p.ep > 1], name
+
+
+def test_the_search_simulates_expert_points(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: free\ntp: [1]\npp: [1]\nep: [2, 4]\nrecompute: [none]\nzero: [0]\n"
+                    "coshard: [0]\nsplit: [rule]\n")
+    result = search(captured("moe-tiny"), parse_cluster("4xA100-80GB-SXM@4"), load_constraints(path),
+                    top=5)
+    specs = [r.spec for r in result.ranked]
+    assert "ep:ep=2,dp=2,tp=1" in specs and "ep:ep=4,dp=1,tp=1" in specs and "dp" in specs
+    assert all(r.result.step_time > 0 for r in result.ranked)
+
+
+def test_a_bad_ep_degree_names_its_line(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("tp: [1]\nep: [two]\n")
+    with pytest.raises(TorchweaveError, match="line 2"):
+        load_constraints(path)
