@@ -88,23 +88,38 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _whole(layout: StateLayout, path: str, mine: dict[Box, torch.Tensor], device: Any) -> torch.Tensor:
     """The whole tensor from the owned pieces of every rank (a sum over the world)."""
-    dtype = layout.dtypes[path]
-    full = torch.zeros(layout.shapes[path], dtype=_sum_dtype(dtype), device=device)
-    for box, t in mine.items():
-        _box(full, box).copy_(t)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(full)
-    return full.to(dtype).cpu()
+    return _wholes(layout, {path: mine}, device)[path]
+
+
+def _wholes(layout: StateLayout, mine: dict[str, dict[Box, torch.Tensor]],
+            device: Any) -> dict[str, torch.Tensor]:
+    """Each path's whole tensor from the owned pieces of every rank: one flat sum over the
+    world per summing dtype, not one per tensor (``mine``'s order is every rank's)."""
+    flat: dict[torch.dtype, list[str]] = {}
+    for path in mine:
+        flat.setdefault(_sum_dtype(layout.dtypes[path]), []).append(path)
+    out: dict[str, torch.Tensor] = {}
+    for sum_dtype, paths in flat.items():
+        sizes = [math.prod(layout.shapes[p]) for p in paths]
+        buf = torch.zeros(sum(sizes), dtype=sum_dtype, device=device)
+        views = dict(zip(paths, (v.view(layout.shapes[p]) for v, p in zip(buf.split(sizes), paths))))
+        for path in paths:
+            for box, t in mine[path].items():
+                _box(views[path], box).copy_(t)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(buf)
+        for path in paths:
+            out[path] = views[path].to(layout.dtypes[path]).cpu().clone()
+    return out
 
 
 def full_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: int,
                device: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    done: dict[str, torch.Tensor] = {}
-    for key, path in layout.keys.items():  # the same order on every rank
-        if path not in done:
-            mine = {box: pieces[path] for box, owner in layout.pieces[path] if owner == rank}
-            done[path] = _whole(layout, path, mine, device)
+    mine = {path: {box: pieces[path] for box, owner in layout.pieces[path] if owner == rank}
+            for path in dict.fromkeys(layout.keys.values())}  # the same order on every rank
+    done = _wholes(layout, mine, device)
+    for key, path in layout.keys.items():
         out[key] = done[path]
     out.update({k: v.detach().cpu().clone() for k, v in layout.fixed.items()})
     return out
