@@ -142,6 +142,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     note = replication_note(plan, graph)
     if note:
         console.print(note, highlight=False, markup=False)
+    if plan.notes.get("experts"):  # expert parallelism: what it split (policies/expert.py)
+        console.print(f"experts: {plan.notes['experts']}", highlight=False, markup=False)
     if plan.notes.get("coshard"):  # each device runs these chains in chunks (policies/coshard.py)
         console.print(f"co-shard: {plan.notes['coshard']} (chunks per device, each recomputed in "
                       "backward)", highlight=False, markup=False)

@@ -45,3 +45,12 @@ def test_a_bad_ep_degree_names_its_line(tmp_path) -> None:
     path.write_text("tp: [1]\nep: [two]\n")
     with pytest.raises(TorchweaveError, match="line 2"):
         load_constraints(path)
+
+
+def test_the_plan_command_says_what_ep_split(capsys) -> None:
+    from torchweave.cli import main
+
+    assert main(["plan", "moe-tiny", "--plan", "ep:ep=2", "--world-size", "4"]) == 0
+    assert "experts: 4 expert ops split over ep=2" in capsys.readouterr().out
+    assert main(["plan", "gpt-tiny", "--plan", "ep", "--world-size", "2"]) == 0
+    assert "ep runs as data parallelism" in capsys.readouterr().out

@@ -133,6 +133,6 @@ def ep(graph: Graph, world_size: int, *, ep_size: int | None = None, tp_size: in
     plan.zero, plan.zero_axis = (zero, "dp") if zero and mesh.dim("dp") > 1 else (0, None)
     plan.notes["policy"] = f"ep(ep_size={ep_size}, dp={mesh.dim('dp')}, tp={tp_size}, zero={plan.zero})"
     plan.notes["experts"] = (f"{len(found)} expert ops split over ep={ep_size}" if found else
-                             "no expert parameters found (rank >= 3, first axis kept by the op): "
+                             "no expert op found (a batched matmul over a rank-3 weight's first axis): "
                              "ep runs as data parallelism")
     return plan
