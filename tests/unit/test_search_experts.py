@@ -8,7 +8,7 @@ import pytest
 from tests.conftest import captured
 from torchweave.errors import TorchweaveError
 from torchweave.policies import resolve
-from torchweave.policies.expert import has_experts
+from torchweave.policies.expert import expert_count
 from torchweave.search import load_constraints, preset, search
 from torchweave.search.estimate import estimable
 from torchweave.search.space import points
@@ -16,17 +16,26 @@ from torchweave.sim import parse_cluster
 
 
 def test_expert_points_join_the_space_of_models_with_experts_only() -> None:
-    assert has_experts(captured("moe-tiny")) and not has_experts(captured("gpt-tiny"))
-    assert not has_experts(captured("vit-tiny"))  # a convolution's output channels are not experts
-    pts, _ = points(4, 4, 2, preset("free"), experts=True)
+    assert expert_count(captured("moe-tiny")) == 4 and expert_count(captured("gpt-tiny")) == 0
+    assert expert_count(captured("vit-tiny")) == 0  # a convolution's output channels are not experts
+    pts, _ = points(4, 4, 2, preset("free"), experts=4)
     eps = [p for p in pts if p.ep > 1]
     assert {p.ep for p in eps} == {2, 4} and all(not estimable(p) for p in eps)
     for p in eps:  # each is a plan string that builds on the model
         plan = resolve(p.spec, captured("moe-tiny"), 4)
         assert plan.notes["experts"].startswith("4 expert ops"), p.spec
     assert not [p for p in points(4, 4, 2, preset("free"))[0] if p.ep > 1]
+    assert {p.ep for p in points(8, 8, 2, preset("free"), experts=4)[0]} == {1, 2, 4}  # ep | experts
     for name in ("dp", "zero3", "nnscaler", "alpa"):
-        assert not [p for p in points(4, 4, 2, preset(name), experts=True)[0] if p.ep > 1], name
+        assert not [p for p in points(4, 4, 2, preset(name), experts=4)[0] if p.ep > 1], name
+
+
+def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
+    with pytest.raises(TorchweaveError, match="ep divides the model's 4 experts"):
+        resolve("ep:ep=8", captured("moe-tiny"), 8)
+    from torchweave.policies.spec import PlanSpec
+
+    assert PlanSpec.parse("ep:tp=2").dp(4) == 2  # sample groups: the batch splits over dp × ep
 
 
 def test_the_search_simulates_expert_points(tmp_path) -> None:

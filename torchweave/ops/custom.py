@@ -62,8 +62,8 @@ def _rows_rule(dim: int) -> Rule:
     def rule(call) -> str:
         tensors = [*call.inputs, *call.outputs]
         rank0 = len(call.inputs[0].shape) if call.inputs else 0
-        d = dim % rank0 if rank0 else 0
-        size = call.inputs[0].shape[d] if rank0 else None
+        d = dim % rank0 if rank0 and -rank0 <= dim < rank0 else 0
+        size = call.inputs[0].shape[d] if rank0 and -rank0 <= dim < rank0 else None
         batched = [len(t.shape) > d and t.shape[d] == size for t in tensors]
         if size is None or not all(batched[len(call.inputs):]):
             taken = [" ".join(f"t{i}x{j}^" for j in range(len(t.shape))) or "()"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
+from torchweave.ops import info
 from torchweave.plan.layout import Mesh
 from torchweave.plan.plan import Plan
 from torchweave.plan.propagate import DEFAULT, Context, propagate
@@ -29,33 +30,45 @@ from torchweave.policies.data import batch_inputs
 from torchweave.policies.tensor import megatron
 
 
-def expert_dim(ctx: Context) -> str | None:
-    """The dim of this op that indexes the experts of one of its parameter inputs: the
+def expert_axis(graph: Graph, node, op) -> str | None:
+    """The dim of ``node`` that indexes the experts of one of its parameter inputs: the
     weight's first axis, kept by the op and shared with its activation input, as in a
     batched matmul over experts (not a convolution's output channels; and ops that
     compute only: a transposed view of the experts' weights is not one)."""
-    spec = ctx.op.bound.annotation
-    if ctx.op.flops <= 0:
+    spec = op.bound.annotation
+    if op.flops <= 0:
         return None
-    refs = ctx.node.input_refs()
+    refs = node.input_refs()
     batched = {a.dims[0].name for k, ref in enumerate(refs) if k < len(spec.inputs)
-               and ctx.graph.values[ref.name].kind != "param" and not spec.inputs[k].opaque
+               and graph.values[ref.name].kind != "param" and not spec.inputs[k].opaque
                for a in spec.inputs[k].axes if a.dims}
     for k, ref in enumerate(refs):
-        v = ctx.graph.values[ref.name]
-        if v.kind != "param" or len(v.meta.shape) < 3 or k >= len(spec.inputs):
+        v = graph.values[ref.name]
+        if v.kind != "param" or len(v.meta.shape) < 3 or k >= len(spec.inputs) or spec.inputs[k].opaque:
             continue
-        dim = ctx.lead_dim(k, 0)
-        if dim in batched and ctx.op.bound.dim(dim).kind != "reduce" and ctx.can_split(dim):
+        axes = spec.inputs[k].axes
+        dim = axes[0].dims[0].name if axes and axes[0].dims else None
+        if dim in batched and op.bound.dim(dim).kind != "reduce" and dim in op.bound.splittable():
             return dim
     return None
 
 
-def has_experts(graph: Graph) -> bool:
-    """Whether ``graph`` has an op that ``ep`` would split by experts (on 2 devices)."""
+def expert_dim(ctx: Context) -> str | None:
+    """:func:`expert_axis` of the context's op, where this mesh axis can split it."""
+    dim = expert_axis(ctx.graph, ctx.node, ctx.op)
+    return dim if dim is not None and ctx.can_split(dim) else None
+
+
+def expert_count(graph: Graph) -> int:
+    """How many experts ``graph``'s expert ops index (0: no expert op)."""
     if not any(v.kind == "param" and len(v.meta.shape) >= 3 for v in graph.values.values()):
-        return False
-    return ep(graph, 2).notes["experts"][0].isdigit()
+        return 0
+    for node in graph.nodes:
+        op = info(graph, node)
+        dim = expert_axis(graph, node, op)
+        if dim is not None:
+            return op.bound.sizes[dim]
+    return 0
 
 
 def slot_dim(ctx: Context, expert: str) -> str | None:
@@ -123,6 +136,12 @@ def ep(graph: Graph, world_size: int, *, ep_size: int | None = None, tp_size: in
             obj="ep policy", value=f"ep={ep_size}, tp={tp_size}",
             rule=f"ep × tp divides the world ({world_size})",
             fix=f"choose ep and tp whose product divides {world_size}"))
+    experts = expert_count(graph)
+    if experts and experts % ep_size:
+        raise TorchweaveError(Problem(
+            obj="ep policy", value=f"ep={ep_size}",
+            rule=f"ep divides the model's {experts} experts",
+            fix=f"choose ep among {', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)}"))
     mesh = Mesh.of(dp=world_size // (ep_size * tp_size), ep=ep_size, tp=tp_size)
     inputs = batch_inputs(graph, "dp", mesh.dim("dp"))
     both = batch_inputs(graph, "ep", mesh.dim("dp") * ep_size)  # the batch divides over dp × ep

@@ -168,7 +168,8 @@ class PlanSpec:
         """The data-parallel degree: ranks that see different samples."""
         o = self.options
         if self.policy in ("dp", "zero1", "zero2", "zero3", "ep"):
-            return o.get("dp", world_size) if self.policy != "ep" else world_size
+            # ep: the batch splits over dp × ep, every rank but tp's copies
+            return o.get("dp", world_size) if self.policy != "ep" else world_size // o.get("tp", 1)
         if self.policy in ("tp", "sp"):
             if "dp" in o:
                 return o["dp"]

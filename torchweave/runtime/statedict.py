@@ -86,6 +86,10 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype.is_floating_point or dtype == torch.bool else torch.int64
 
 
+SUM_CHUNK = 256 * 2**20
+"""Bytes summed over the world in one all-reduce when a whole state is gathered."""
+
+
 def _whole(layout: StateLayout, path: str, mine: dict[Box, torch.Tensor], device: Any) -> torch.Tensor:
     """The whole tensor from the owned pieces of every rank (a sum over the world)."""
     return _wholes(layout, {path: mine}, device)[path]
@@ -94,12 +98,21 @@ def _whole(layout: StateLayout, path: str, mine: dict[Box, torch.Tensor], device
 def _wholes(layout: StateLayout, mine: dict[str, dict[Box, torch.Tensor]],
             device: Any) -> dict[str, torch.Tensor]:
     """Each path's whole tensor from the owned pieces of every rank: one flat sum over the
-    world per summing dtype, not one per tensor (``mine``'s order is every rank's)."""
-    flat: dict[torch.dtype, list[str]] = {}
-    for path in mine:
-        flat.setdefault(_sum_dtype(layout.dtypes[path]), []).append(path)
+    world per :data:`SUM_CHUNK` bytes of a summing dtype, not one per tensor (``mine``'s order
+    is every rank's, so the chunks are too)."""
+    flat: dict[torch.dtype, list[list[str]]] = {}
+    filled: dict[torch.dtype, int] = {}
+    for path in mine:  # runs of paths, each at most SUM_CHUNK bytes (or one larger tensor)
+        dtype = _sum_dtype(layout.dtypes[path])
+        nbytes = math.prod(layout.shapes[path]) * dtype.itemsize
+        runs = flat.setdefault(dtype, [[]])
+        if runs[-1] and filled.get(dtype, 0) + nbytes > SUM_CHUNK:
+            runs.append([])
+            filled[dtype] = 0
+        runs[-1].append(path)
+        filled[dtype] = filled.get(dtype, 0) + nbytes
     out: dict[str, torch.Tensor] = {}
-    for sum_dtype, paths in flat.items():
+    for sum_dtype, paths in ((d, run) for d, runs in flat.items() for run in runs):
         sizes = [math.prod(layout.shapes[p]) for p in paths]
         buf = torch.zeros(sum(sizes), dtype=sum_dtype, device=device)
         views = dict(zip(paths, (v.view(layout.shapes[p]) for v, p in zip(buf.split(sizes), paths))))

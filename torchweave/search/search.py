@@ -43,7 +43,7 @@ from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.admit import admissible, op_rules
 from torchweave.search.constraints import Constraints, preset
-from torchweave.policies.expert import has_experts
+from torchweave.policies.expert import expert_count
 from torchweave.search.estimate import Estimate, Proxy, estimable, estimate, proxy
 from torchweave.search.intra import Partition, describe, solve, tp_dims
 from torchweave.search.pool import Failed, Runner, env_workers
@@ -163,7 +163,8 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     blocks = find_blocks(graph, base, least=4)
     numbered = len({k for k in (block_of(n.module or "") for n in graph.nodes) if k})
     pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered,
-                           experts=has_experts(graph))
+                           experts=expert_count(graph) if any(c.ep.allows(e) for e in range(2, world + 1))
+                           else 0)
     say(f"{len(pts)} points in the space ({c.name}) for {world} ranks, batch {batch}, "
         f"{len(blocks) if blocks else 'no'} repeated blocks")
     ests: dict[Point, Estimate] = {}
@@ -359,7 +360,8 @@ def _batch(graph: Graph) -> int:
 
 def _in(c: Constraints, pt: Point) -> bool:
     """Whether ``pt`` is in the space ``c`` leaves."""
-    return (c.tp.allows(pt.tp) and c.pp.allows(pt.pp) and c.dp.allows(pt.dp)
+    return (c.tp.allows(pt.tp) and c.pp.allows(pt.pp) and c.dp.allows(pt.dp * pt.ep)
+            and c.ep.allows(pt.ep)
             and pt.schedule in c.schedules and pt.recompute in c.recompute
             and (pt.zero in c.zero or pt.dp == 1)
             and (c.sp or not pt.sp) and (pt.pp == 1 or c.micro.allows(pt.micro))

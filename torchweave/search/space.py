@@ -72,13 +72,13 @@ def divisors(n: int) -> list[int]:
 
 
 def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int | None = None,
-           experts: bool = False) -> tuple[list[Point], list[str]]:
+           experts: int = 0) -> tuple[list[Point], list[str]]:
     """Every point of the space for ``world`` ranks, a global batch of ``batch`` samples and
     ``blocks`` repeated blocks (0: no pipelines; ``numbered``: the model's numbered blocks,
     identical or not, which the interlaced pipeline spreads over the devices; default
     ``blocks``); and why the degrees the constraints allow are left out, where all of some
-    degree is. ``experts``: the model has expert parameters, so expert-parallel points
-    (:func:`expert_points`) join the space."""
+    degree is. ``experts``: how many experts the model's expert ops index (0: none); with
+    some, expert-parallel points (:func:`expert_points`) join the space."""
     out: list[Point] = []
     why: list[str] = []
     tps = [t for t in divisors(world) if c.tp.allows(t)]
@@ -120,7 +120,7 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                                                          split, co))
     out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
     if experts:
-        out += expert_points(world, batch, blocks, c)
+        out += expert_points(world, batch, blocks, c, experts)
     if tps and not out:
         why.append(f"no (tp, pp, dp, micro) in the constraints fits {world} ranks, a batch of "
                    f"{batch} and {blocks} blocks: tp {c.tp}, pp {c.pp}, dp {c.dp}, "
@@ -128,8 +128,8 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
     return sorted(set(out)), why
 
 
-def expert_points(world: int, batch: int, blocks: int, c: Constraints) -> list[Point]:
-    """Expert-parallel points: ``ep`` > 1 devices split the experts, ``dp × ep`` the batch,
+def expert_points(world: int, batch: int, blocks: int, c: Constraints, experts: int) -> list[Point]:
+    """Expert-parallel points: ``ep`` > 1 devices split the ``experts``, ``dp × ep`` the batch,
     with ``tp`` inside and, where the model has blocks, in pipelines (1F1B). ZeRO-1 and -2
     only (ZeRO-3's gathers and ep's transfers can deadlock: ``parallel._check_zero3_order``)."""
     out = []
@@ -139,9 +139,10 @@ def expert_points(world: int, batch: int, blocks: int, c: Constraints) -> list[P
                 continue
             if pp == 1 and "none" not in c.schedules:
                 continue
-            for ep in (e for e in divisors(world // (tp * pp)) if e > 1 and c.ep.allows(e)):
+            for ep in (e for e in divisors(world // (tp * pp))
+                       if e > 1 and c.ep.allows(e) and experts % e == 0):
                 dp = world // (tp * pp * ep)
-                if not c.dp.allows(dp) or batch % (dp * ep):
+                if not c.dp.allows(dp * ep) or batch % (dp * ep):  # the batch's groups: dp × ep
                     continue
                 local = batch // (dp * ep)
                 micros = [1] if pp == 1 else [m for m in divisors(local) if m >= pp and c.micro.allows(m)]

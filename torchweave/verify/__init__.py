@@ -221,11 +221,13 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
             tolerance: float | None) -> Report:
     """One case's report from every rank's results and a one-device run."""
     judged = _judged_dtype(case, comp)
+    explicit = tolerance  # a caller's own tolerance holds for every comparison
     if tolerance is None:  # the compiled model's own dtype (run_compiled's callers cast it)
         tolerance = TOLERANCES[judged]
     report = Report(case.name or comp.plan.name, world_size, case.steps, tolerance,
                     replicated=replication_note(comp.plan, comp.graph),
-                    step_factor=1.0 if judged == "bf16" else STEP_FACTOR)
+                    step_factor=STEP_FACTOR if judged != "bf16" and explicit is None and case.sgd
+                    else 1.0)
     if case.dtype_note:
         report.precision = case.dtype_note
     elif case.dtype == "float64" and judged == "float32":

@@ -59,7 +59,9 @@ is relative to the terms summed, so a small gradient element of a correct plan m
 off by far more than the tensor's norm-wise difference. Measured (2 AdamW steps,
 ``tests/dist/test_hf_zoo.py``): transformers' Qwen2-MoE under dp in float32, gradients
 within 4.5e-7 of one device, its RoPE key bias after the steps 1.5e-5. The SGD steps,
-linear in the gradient, keep the tolerance itself; a wrong plan is 1e-3 or more off."""
+linear in the gradient, keep the tolerance itself; a wrong plan is 1e-3 or more off.
+Only where the SGD comparison runs (``Case.sgd``) and the tolerance is the dtype's: a
+caller's own ``tolerance`` holds for every comparison."""
 
 BF16_NOISE_FACTOR = 20.0
 """A bf16 plan's tensor may differ from the reference by this many times its *spread*
