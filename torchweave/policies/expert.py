@@ -30,25 +30,28 @@ from torchweave.policies.data import batch_inputs
 from torchweave.policies.tensor import megatron
 
 
+def _lead_dims(graph: Graph, node, op, *, params: bool) -> list[tuple[object, list[str]]]:
+    """(input, the lead name of each of its axes, None for a size-one axis) of each parameter
+    input (``params``) or activation input, in order; opaque inputs left out."""
+    spec = op.bound.annotation
+    return [(ref, [a.dims[0].name if a.dims else None for a in spec.inputs[k].axes])
+            for k, ref in enumerate(node.input_refs())
+            if k < len(spec.inputs) and not spec.inputs[k].opaque
+            and (graph.values[ref.name].kind == "param") == params]
+
+
 def expert_axis(graph: Graph, node, op) -> str | None:
     """The dim of ``node`` that indexes the experts of one of its parameter inputs: the
     weight's first axis, kept by the op and shared with its activation input, as in a
     batched matmul over experts (not a convolution's output channels; and ops that
     compute only: a transposed view of the experts' weights is not one)."""
-    spec = op.bound.annotation
     if op.flops <= 0:
         return None
-    refs = node.input_refs()
-    batched = {a.dims[0].name for k, ref in enumerate(refs) if k < len(spec.inputs)
-               and graph.values[ref.name].kind != "param" and not spec.inputs[k].opaque
-               for a in spec.inputs[k].axes if a.dims}
-    for k, ref in enumerate(refs):
-        v = graph.values[ref.name]
-        if v.kind != "param" or len(v.meta.shape) < 3 or k >= len(spec.inputs) or spec.inputs[k].opaque:
-            continue
-        axes = spec.inputs[k].axes
-        dim = axes[0].dims[0].name if axes and axes[0].dims else None
-        if dim in batched and op.bound.dim(dim).kind != "reduce" and dim in op.bound.splittable():
+    batched = {d for _, dims in _lead_dims(graph, node, op, params=False) for d in dims}
+    for ref, dims in _lead_dims(graph, node, op, params=True):
+        dim = dims[0] if dims and len(graph.values[ref.name].meta.shape) >= 3 else None
+        if dim is not None and dim in batched and op.bound.dim(dim).kind != "reduce" \
+                and dim in op.bound.splittable():
             return dim
     return None
 
@@ -74,12 +77,8 @@ def expert_count(graph: Graph) -> int:
 def slot_dim(ctx: Context, expert: str) -> str | None:
     """A dim of the op's activation input that the op keeps, other than the experts': the
     expert's token slots (``c`` of ``ecd``), which ``dp`` splits among its replicas."""
-    spec = ctx.op.bound.annotation
-    for k, ref in enumerate(ctx.node.input_refs()):
-        if ctx.graph.values[ref.name].kind == "param" or k >= len(spec.inputs) or spec.inputs[k].opaque:
-            continue
-        for axis in spec.inputs[k].axes:
-            dim = axis.dims[0].name if axis.dims else None
+    for _, dims in _lead_dims(ctx.graph, ctx.node, ctx.op, params=False):
+        for dim in dims:
             if dim and dim != expert and ctx.op.bound.dim(dim).kind != "reduce" and ctx.can_split(dim):
                 return dim
     return None
@@ -89,23 +88,18 @@ def expert_tp(ctx: Context, expert: str) -> str | None:
     """Megatron's choice inside an expert: the contraction when the activation arrives split
     on it (row-parallel: partial sums), else a dim the expert's weight adds (column-parallel:
     ``f`` of ``w_in[e, d, f]``)."""
-    spec = ctx.op.bound.annotation
     for k, ref in enumerate(ctx.node.input_refs()):
         place = ctx.inputs[k] if k < len(ctx.inputs) else ("R",)
         if ctx.graph.values[ref.name].kind != "param" and place[0] == "S":
             dim = ctx.lead_dim(k, place[1])
             if dim is not None and ctx.op.bound.dim(dim).kind == "reduce" and ctx.can_split(dim):
                 return dim
-    taken = {a.dims[0].name for k, ref in enumerate(ctx.node.input_refs())
-             if ctx.graph.values[ref.name].kind != "param" and k < len(spec.inputs)
-             and not spec.inputs[k].opaque for a in spec.inputs[k].axes if a.dims}
-    for k, ref in enumerate(ctx.node.input_refs()):
-        if ctx.graph.values[ref.name].kind == "param" and k < len(spec.inputs) and not spec.inputs[k].opaque:
-            for axis in spec.inputs[k].axes:
-                dim = axis.dims[0].name if axis.dims else None
-                if dim and dim != expert and dim not in taken and ctx.can_split(dim) \
-                        and ctx.op.bound.dim(dim).kind != "reduce":
-                    return dim
+    taken = {d for _, dims in _lead_dims(ctx.graph, ctx.node, ctx.op, params=False) for d in dims}
+    for _, dims in _lead_dims(ctx.graph, ctx.node, ctx.op, params=True):
+        for dim in dims:
+            if dim and dim != expert and dim not in taken and ctx.can_split(dim) \
+                    and ctx.op.bound.dim(dim).kind != "reduce":
+                return dim
     return None
 
 
