@@ -16,10 +16,11 @@ kernels, other summation orders (TF32 stays off, PyTorch's default)."""
 
 
 def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
-            separate: bool = False) -> None:
+            separate: bool = False, per_launch: int = 6) -> None:
     """Compile each case on its own (a policy that does not apply is a line, not a failure
-    of the rest), verify the rest in one launch (or one launch each if that one fails, or
-    with ``separate``), a table row per case."""
+    of the rest), verify the rest ``per_launch`` at a time (one launch each if a launch
+    fails, or with ``separate``), a table row per case, so a launch cut off by the budget
+    leaves the rows before it."""
     from torchweave.parallel import compile_plan
     from torchweave.verify import run_compiled
 
@@ -34,7 +35,8 @@ def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
         except Exception as exc:  # noqa: BLE001 - recorded as not applicable
             ctx.log(f"| {case.name} | does not apply at world size {world_size}: "
                     f"`{(str(exc).strip().splitlines() or [''])[0][:160]}` | | | | |")
-    groups = [[x] for x in ready] if separate else [ready]
+    size = 1 if separate else per_launch
+    groups = [ready[i:i + size] for i in range(0, len(ready), size)]
     bad = []
     while groups:
         group = groups.pop(0)

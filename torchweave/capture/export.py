@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
 from torchweave.capture.normalize import normalize
+from torchweave.capture.regions import inline_regions
 from torchweave.capture.source import location_from_exception, location_from_stack_trace
 from torchweave.errors import CaptureError, Problem
 from torchweave.ir.checker import check_graph
@@ -50,6 +51,7 @@ def capture(
             ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
         raise _capture_failure(model, exc, arg_names, example_inputs, example_kwargs) from exc
+    inline_regions(ep)  # no_grad / autocast(enabled=False) blocks become plain ops
     if _mutates(ep):
         ep = _functional(ep, model, exc_args=(arg_names, example_inputs, example_kwargs))
     graph = _convert(model, ep, arg_names, name or type(model).__name__)

@@ -257,7 +257,8 @@ def _run_rank(rank: int, fn: Callable[..., Any], config: LaunchConfig, backend: 
         store = dist.FileStore(str(out_dir / "store"), config.world_size)
         store.set_timeout(timedelta(seconds=config.timeout_s))
         if backend == "gloo":
-            dist.Backend.register_backend(_LOOPBACK_GLOO, _loopback_gloo, devices=["cpu"])
+            # gloo reduces CUDA tensors too (LaunchConfig(device="cuda")): both device types
+            dist.Backend.register_backend(_LOOPBACK_GLOO, _loopback_gloo, devices=["cpu", "cuda"])
             backend = _LOOPBACK_GLOO
         ctx = _init_rank(rank=rank, local_rank=rank, config=config, backend=backend, store=store)
         payload = pickle.dumps(("ok", fn(ctx, *args), time.time()))
