@@ -49,7 +49,9 @@ def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
             reports = run_compiled([c for c, _ in group], [k for _, k in group], launch=launch,
                                    tolerance=tolerance)
         except Exception as exc:  # noqa: BLE001 - the launch failed: one launch per case
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            # a failed rank's own error is its traceback's last line, not the header
+            lines = [x for x in (getattr(exc, "traceback", None) or "").splitlines() if x.strip()]
+            first = (lines[-1] if lines else (str(exc).strip().splitlines() or [""])[0])[:200]
             if len(group) == 1:
                 bad.append(f"{group[0][0].name}: launch failed: {type(exc).__name__}: {first}")
                 ctx.log(f"| {group[0][0].name} | **launch failed**: `{first}` | | | | |")

@@ -337,11 +337,11 @@ def exchange(gc: GroupCache, sends: Sequence[tuple[int, torch.Tensor]],
             fix="keep pieces that stay on this rank out of the exchange"))
     ops, received, nbytes = [], [], 0
     for dst, t in sends:
-        t = t.detach().contiguous()
+        t = t.detach().contiguous().to(gc.p2p_device)
         nbytes += t.numel() * t.element_size()
         ops.append(dist.P2POp(dist.isend, t, peer=dst))
     for src, shape, dtype in recv_specs:
-        buf = torch.empty(tuple(shape), dtype=dtype, device=gc.device)
+        buf = torch.empty(tuple(shape), dtype=dtype, device=gc.p2p_device)
         received.append(buf)
         ops.append(dist.P2POp(dist.irecv, buf, peer=src))
     if not ops:
@@ -349,7 +349,7 @@ def exchange(gc: GroupCache, sends: Sequence[tuple[int, torch.Tensor]],
     gc.counter.record(CommKind.P2P, FWD, gc.world, nbytes)
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    return received
+    return [buf.to(gc.device) for buf in received]
 
 
 def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:

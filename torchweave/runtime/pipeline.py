@@ -312,11 +312,11 @@ class PipelineModule(RankModule):
             t = self._transfer(x)
             link = x.link - self.program.boundaries
             dtype = self._dtype[x.link] if link < 0 else self._micro[self.program.recycle[link].index][0].dtype
-            buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.device)
+            buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.gc.p2p_device)
             start = time.perf_counter()
             dist.recv(buf, x.src, group=self._group(x), tag=self._tag(x))
             self.stats.wait_s += time.perf_counter() - start
-            self._got[x] = buf
+            self._got[x] = buf.to(self.rt.device)
 
     def _take(self, needs: tuple[Message, ...], into: dict[int, torch.Tensor]) -> None:
         """Place each received piece in its link's tensor (gradients add up)."""
@@ -335,6 +335,7 @@ class PipelineModule(RankModule):
                 continue
             self.rt.gc.counter.record(CommKind.P2P, Direction.BACKWARD if x.grad else Direction.FORWARD,
                                       (self.rt.rank, x.dst), data.numel() * data.element_size())
+            data = data.to(self.rt.gc.p2p_device)
             self._pending.append((dist.isend(data, x.dst, group=self._group(x), tag=self._tag(x)), data))
 
     def _drop_sent(self) -> None:
