@@ -191,6 +191,22 @@ class RankModule(UserLoop):
         return [o for o in (self.opt.inner if self.opt is not None else None, self.optimizer)
                 if o is not None]
 
+    def memory(self) -> int:
+        """Bytes of training state this rank holds: parameter pieces and their gradients,
+        ZeRO's master shard and its gradient, and every optimizer's state (each storage
+        counted once)."""
+        seen: set[int] = set()
+        tensors = [t for p in self.params.values() for t in (p, p.grad)]
+        if self.opt is not None:
+            tensors += [self.opt.master, self.opt.master.grad]
+        tensors += [v for opt in self.optimizers() for st in opt.state.values() for v in st.values()]
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
     def optimizer_step(self) -> None:
         if self.opt is not None:
             self.opt.step()

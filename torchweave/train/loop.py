@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.parallel import parallelize
-from torchweave.runtime.executor import RankModule, StepConfig
+from torchweave.runtime.executor import StepConfig
 from torchweave.runtime.launch import RankContext
 from torchweave.train.build import build_model, lr_multiplier, optimizer_factory
 from torchweave.train.checkpoint import CheckpointError, latest, save
@@ -61,42 +61,6 @@ class RunResult:
     code_dir: str = ""
     metrics: str = ""
     tensorboard: str | None = None
-
-
-def _state_bytes(module: RankModule) -> int:
-    seen: set[int] = set()
-    total = 0
-
-    def add(t: Any) -> None:
-        nonlocal total
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-
-    for p in module.params.values():
-        add(p)
-        add(p.grad)
-    opts = [module.optimizer] + ([module.opt.inner] if module.opt is not None else [])
-    if module.opt is not None:
-        add(module.opt.master)
-        add(module.opt.master.grad)
-    for opt in opts:
-        if opt is not None:
-            for st in opt.state.values():
-                for v in st.values():
-                    add(v)
-    return total
-
-
-def _optimizers(module: RankModule) -> list[torch.optim.Optimizer]:
-    return [o for o in (module.optimizer, module.opt.inner if module.opt else None) if o is not None]
-
-
-def _zero_grad(module: RankModule) -> None:
-    for opt in _optimizers(module):
-        opt.zero_grad(set_to_none=True)
-    for p in module.params.values():
-        p.grad = None
 
 
 class Trainer:
@@ -246,7 +210,7 @@ class Trainer:
         result.step_time_s = sorted(steady)[len(steady) // 2] if steady else 0.0
         result.tokens_per_s = self.tokens_per_step / result.step_time_s if steady else 0.0
         mem = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               _state_bytes(self.module) / 2**20]
+               self.module.memory() / 2**20]
         gathered: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(gathered, mem)
         result.peak_rss_mib = [g[0] for g in gathered]
@@ -301,13 +265,13 @@ class Trainer:
         ok = math.isfinite(loss) and math.isfinite(norm)
         if ok:
             factor = self.lr(self.step)
-            for opt in _optimizers(self.module):
+            for opt in self.module.optimizers():
                 for group in opt.param_groups:
                     group["lr"] = self.cfg.optim.lr * factor
             self.module.optimizer_step()
             self.bad_in_row = 0
         else:
-            _zero_grad(self.module)
+            self.module.zero_grads()
             self.skipped += 1
             self.bad_in_row += 1
         return loss, norm, ok
