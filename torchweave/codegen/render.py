@@ -23,9 +23,7 @@ from torchweave.ops.custom import defining_module
 from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program, Segment
 from torchweave.lower import units
 from torchweave.lower.stages import reads
-from torchweave.lower.steps import (
-    P2P, AllGather, AllReduce, AllToAll, GradAllReduce, Group, Narrow, ReduceScatter, Split,
-)
+from torchweave.lower.steps import P2P, Group, Narrow
 
 
 def literal(x: Any) -> str:
@@ -104,27 +102,17 @@ def _group(prog: Program, groups: tuple[Group, ...]) -> str:
 
 
 def _comm_line(prog: Program, c: Comm) -> str:
+    """``dst = C.<fn>(rt.gc, src, group, *args, **kwargs)``, as the step's own table says."""
     s, x, y = c.step, c.src, c.dst
-    if isinstance(s, AllReduce):
-        fn = "all_reduce" if s.op == "sum" else "all_reduce_lse"
-        call = f"C.{fn}(rt.gc, {x}, {_group(prog, s.groups)}, bwd={s.bwd!r})"
-    elif isinstance(s, ReduceScatter):
-        call = f"C.reduce_scatter(rt.gc, {x}, {_group(prog, s.groups)}, {s.axis})"
-    elif isinstance(s, AllGather):
-        call = f"C.all_gather(rt.gc, {x}, {_group(prog, s.groups)}, {s.axis}, bwd={s.bwd!r})"
-    elif isinstance(s, Split):
-        call = f"C.split(rt.gc, {x}, {_group(prog, s.groups)}, {s.axis})"
-    elif isinstance(s, AllToAll):
-        call = f"C.all_to_all(rt.gc, {x}, {_group(prog, s.groups)}, {s.split_axis}, {s.cat_axis})"
-    elif isinstance(s, GradAllReduce):
-        call = f"C.grad_all_reduce(rt.gc, {x}, {_group(prog, s.groups)})"
-    elif isinstance(s, Narrow):
+    if isinstance(s, Narrow):
         box = dict(s.boxes)[prog.rank]
         call = f"{x}[{', '.join(f'{a}:{b}' for a, b in box)}].contiguous()"
     elif isinstance(s, P2P):
         call = f"P2P.p2p(rt, {x}, STEPS[{c.dst!r}])"
-    else:  # pragma: no cover - every step kind is listed above
-        raise TypeError(type(s).__name__)
+    else:
+        fn, args, kwargs = s.runtime_call()
+        rest = [literal(a) for a in args] + [f"{k}={literal(v)}" for k, v in kwargs.items()]
+        call = f"C.{fn}(rt.gc, {', '.join([x, _group(prog, s.groups), *rest])})"
     return f"{y} = {call}"
 
 

@@ -19,54 +19,150 @@ P2P                 any → any              sends back, summed at the source
 
 ``R'`` marks a replicated tensor read by *different* pieces of a split op: their
 gradients are partial and are summed by the step's backward.
+
+Each step type is the one place its semantics are written: its printed name
+(``NAME``), the collective its forward runs and the one its backward runs
+(:meth:`forward_collective`, :meth:`backward_collective`), the local bytes it
+produces and moves (:meth:`out_bytes`, :meth:`forward_bytes`,
+``BACKWARD_BYTES``) and the :mod:`torchweave.runtime.comm` function the
+generated code calls (:meth:`runtime_call`). Codegen, the simulator and the
+runtime read these; a new collective is one class here and its runtime function.
+Collectives are named by :class:`torchweave.sim.hardware.comm.Collective`'s
+values (``"all_reduce"``, ...), strings here since the simulator sits beside this layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 Group = tuple[int, ...]
 Box = tuple[tuple[int, int], ...]
 
 
+class _Collective:
+    """What every step over ``groups`` shares (the defaults: a collective that keeps the
+    local size, whose backward is local)."""
+
+    NAME: ClassVar[str]
+    FORWARD: ClassVar[str | None] = None
+    BACKWARD: ClassVar[str | None] = None
+    BACKWARD_BYTES: ClassVar[Literal["src", "dst"]] = "dst"
+    """Whose local bytes the backward collective moves: the step's source or its result."""
+    SPANS_REPLICAS: ClassVar[bool] = False
+    """Whether its groups may grow over data-parallel replicas without moving data between
+    them (a sum, or a local split): the simulator's symmetry folding lifts such steps."""
+
+    def forward_collective(self) -> str | None:
+        """The collective the forward runs; ``None``: local (a slice, or nothing)."""
+        return self.FORWARD
+
+    def backward_collective(self) -> str | None:
+        """The collective the backward runs; ``None``: local."""
+        return self.BACKWARD
+
+    def out_bytes(self, nbytes: float, size: int) -> float:
+        """Local bytes of the result, from the source's local bytes and the group's size."""
+        return nbytes
+
+    def forward_bytes(self, nbytes: float, out: float) -> float:
+        """Bytes the forward collective is sized by (the source's, or the result's)."""
+        return nbytes
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        """``(function in runtime.comm, arguments after the group, keyword arguments)``."""
+        return self.NAME, (), {}
+
+
 @dataclass(frozen=True)
-class AllReduce:
+class AllReduce(_Collective):
     groups: tuple[Group, ...]
     bwd: Literal["identity", "all_reduce"] = "identity"
     op: Literal["sum", "lse"] = "sum"
     """``lse``: the terms are partial log-sum-exps (backward scales by their softmax)."""
+    NAME: ClassVar[str] = "all_reduce"
+    SPANS_REPLICAS: ClassVar[bool] = True
+    FORWARD: ClassVar[str | None] = "all_reduce"
+
+    def backward_collective(self) -> str | None:
+        return "all_reduce" if self.bwd == "all_reduce" else None
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return ("all_reduce" if self.op == "sum" else "all_reduce_lse"), (), {"bwd": self.bwd}
 
 
 @dataclass(frozen=True)
-class ReduceScatter:
+class ReduceScatter(_Collective):
     groups: tuple[Group, ...]
     axis: int
+    NAME: ClassVar[str] = "reduce_scatter"
+    FORWARD: ClassVar[str | None] = "reduce_scatter"
+    BACKWARD: ClassVar[str | None] = "all_gather"
+    BACKWARD_BYTES: ClassVar[Literal["src", "dst"]] = "src"
+
+    def out_bytes(self, nbytes: float, size: int) -> float:
+        return nbytes / size
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return self.NAME, (self.axis,), {}
 
 
 @dataclass(frozen=True)
-class AllGather:
+class AllGather(_Collective):
     groups: tuple[Group, ...]
     axis: int
     bwd: Literal["slice", "reduce_scatter"] = "slice"
+    NAME: ClassVar[str] = "all_gather"
+    FORWARD: ClassVar[str | None] = "all_gather"
+
+    def backward_collective(self) -> str | None:
+        return "reduce_scatter" if self.bwd == "reduce_scatter" else None
+
+    def out_bytes(self, nbytes: float, size: int) -> float:
+        return nbytes * size
+
+    def forward_bytes(self, nbytes: float, out: float) -> float:
+        return out
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return self.NAME, (self.axis,), {"bwd": self.bwd}
 
 
 @dataclass(frozen=True)
-class Split:
+class Split(_Collective):
     groups: tuple[Group, ...]
     axis: int
+    NAME: ClassVar[str] = "split"
+    SPANS_REPLICAS: ClassVar[bool] = True
+    BACKWARD: ClassVar[str | None] = "all_gather"
+    BACKWARD_BYTES: ClassVar[Literal["src", "dst"]] = "src"
+
+    def out_bytes(self, nbytes: float, size: int) -> float:
+        return nbytes / size
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return self.NAME, (self.axis,), {}
 
 
 @dataclass(frozen=True)
-class AllToAll:
+class AllToAll(_Collective):
     groups: tuple[Group, ...]
     split_axis: int
     cat_axis: int
+    NAME: ClassVar[str] = "all_to_all"
+    FORWARD: ClassVar[str | None] = "all_to_all"
+    BACKWARD: ClassVar[str | None] = "all_to_all"
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return self.NAME, (self.split_axis, self.cat_axis), {}
 
 
 @dataclass(frozen=True)
-class GradAllReduce:
+class GradAllReduce(_Collective):
     groups: tuple[Group, ...]
+    NAME: ClassVar[str] = "grad_all_reduce"
+    SPANS_REPLICAS: ClassVar[bool] = True
+    BACKWARD: ClassVar[str | None] = "all_reduce"
 
 
 @dataclass(frozen=True)
@@ -74,6 +170,13 @@ class Narrow:
     """Each listed device keeps ``box`` (in its held piece's local coordinates)."""
 
     boxes: tuple[tuple[int, Box], ...]
+    NAME: ClassVar[str] = "narrow"
+
+    def forward_collective(self) -> str | None:
+        return None
+
+    def backward_collective(self) -> str | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -99,6 +202,13 @@ class P2P:
     """Backward: gradient slices sent back to every holder of each source region
     (``add`` is always True); ``grad_scale`` divides replicated readers."""
     grad_scale: tuple[tuple[int, float], ...] = ()
+    NAME: ClassVar[str] = "p2p"
+
+    def forward_collective(self) -> str | None:
+        return "p2p"
+
+    def backward_collective(self) -> str | None:
+        return "p2p"
 
 
 Step = Union[AllReduce, ReduceScatter, AllGather, Split, AllToAll, GradAllReduce, Narrow, P2P]
@@ -115,8 +225,4 @@ def devices_of(step: Step) -> set[int]:
 
 
 def name_of(step: Step) -> str:
-    return {
-        AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather",
-        Split: "split", AllToAll: "all_to_all", GradAllReduce: "grad_all_reduce",
-        Narrow: "narrow", P2P: "p2p",
-    }[type(step)]
+    return step.NAME

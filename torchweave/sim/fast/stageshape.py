@@ -226,8 +226,7 @@ def lift(programs: list[Program], shape: StageShape) -> list[Program] | None:
                         # a group that grows when lifted spans replicas: only sums may (data
                         # parallelism's); any other collective there moves data between them
                         grown = any(len(group(x)) != len(x) for x in st.groups)
-                        if grown and not isinstance(
-                                st, (steps.AllReduce, steps.GradAllReduce, steps.Split)):
+                        if grown and not st.SPANS_REPLICAS:
                             return None  # data moves between replicas: not data parallel
                         st = replace(st, groups=groups(st.groups))
                     elif isinstance(st, steps.Narrow):

@@ -127,8 +127,7 @@ def lift_programs(programs: list[Program], rep: Replicas) -> list[Program] | Non
                             return None
                     elif hasattr(st, "groups"):
                         lifted = groups(st.groups)
-                        if lifted != tuple(st.groups) and not isinstance(
-                                st, (steps.AllReduce, steps.GradAllReduce, steps.Split)):
+                        if lifted != tuple(st.groups) and not st.SPANS_REPLICAS:
                             return None  # data moves between replicas: not data parallel
                         ins = replace(ins, step=replace(st, groups=lifted))
                 instrs.append(ins)

@@ -208,9 +208,7 @@ def collective_time(cluster: Cluster, collective: Collective, nbytes: int, group
 
 
 def collective_of(step: steps.Step) -> Collective | None:
-    """The collective a lowering step runs; None for local steps (split, narrow)."""
-    return {
-        steps.AllReduce: Collective.ALL_REDUCE, steps.GradAllReduce: Collective.ALL_REDUCE,
-        steps.ReduceScatter: Collective.REDUCE_SCATTER, steps.AllGather: Collective.ALL_GATHER,
-        steps.AllToAll: Collective.ALL_TO_ALL, steps.P2P: Collective.P2P,
-    }.get(type(step))
+    """The collective a lowering step's forward runs; None for local steps (split, narrow,
+    and the forward of a gradient all-reduce, which moves nothing)."""
+    name = step.forward_collective()
+    return None if name is None else Collective(name)

@@ -21,12 +21,6 @@ from torchweave.sim.step.signals import (
 )
 from torchweave.sim.step.state import Footprint, RankForward, SyncInputs, mine
 
-_DUAL = {  # forward step → collective its backward runs (None: local)
-    steps.Split: Collective.ALL_GATHER, steps.ReduceScatter: Collective.ALL_GATHER,
-    steps.GradAllReduce: Collective.ALL_REDUCE, steps.AllToAll: Collective.ALL_TO_ALL,
-}
-
-
 REACH = Kind.REACH
 """A marker in a rank's backward (not run by the engine): the gradient of parameter
 ``name`` may now sum over ``group``, once what it ``waits`` for is ready (``nbytes`` local bytes; ``closes`` for a ZeRO-3 unit's
@@ -207,17 +201,11 @@ def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:
         return Task(LOCAL, name, waits, sets)
     if isinstance(step, steps.P2P):
         return Task(COMM, name, waits, sets, self.p2p(step.grad_back, r, ins.value))
-    coll = _DUAL.get(type(step))
-    if isinstance(step, steps.AllReduce) and step.bwd == "all_reduce":
-        coll = Collective.ALL_REDUCE
-    if isinstance(step, steps.AllGather) and step.bwd == "reduce_scatter":
-        coll = Collective.REDUCE_SCATTER
+    coll = step.backward_collective()
     if coll is None:
         return Task(LOCAL, name, waits, sets)
     grp = mine(step.groups, r)
-    # The dual of a split or reduce-scatter gathers the source's bytes; the others
-    # move the destination's (the same, or the gathered tensor for a reduce-scatter).
-    src = isinstance(step, (steps.Split, steps.ReduceScatter))
-    size = nbytes.get(ins.src if src else ins.dst, 0.0)
+    size = nbytes.get(ins.src if step.BACKWARD_BYTES == "src" else ins.dst, 0.0)
+    coll = Collective(coll)
     return Task(COMM, name, waits, sets, self.comm(coll, size, grp),
                 Rendezvous(Meet.BACKWARD, ins.dst, grp), self.meet_of(grp))

@@ -224,16 +224,12 @@ def _comm(ctx: StepContext, ins: Comm, r: int, nbytes: dict[str, float]) -> Task
             nbytes[ins.dst] = ctx.need_bytes(ins.consumer, ins.value, nbytes[ins.dst])
         return Task(COMM, name, waits, sets, ctx.p2p(step.transfers, r, ins.value))
     grp = mine(step.groups, r)
-    p = len(grp)
-    coll = {steps.AllReduce: Collective.ALL_REDUCE, steps.GradAllReduce: None,
-            steps.AllGather: Collective.ALL_GATHER, steps.ReduceScatter: Collective.REDUCE_SCATTER,
-            steps.AllToAll: Collective.ALL_TO_ALL, steps.Split: None}[type(step)]
-    out = b * p if isinstance(step, steps.AllGather) else (
-        b / p if isinstance(step, (steps.ReduceScatter, steps.Split)) else b)
-    nbytes[ins.dst] = out
+    out = nbytes[ins.dst] = step.out_bytes(b, len(grp))
+    coll = step.forward_collective()
     if coll is None:  # Split and GradAllReduce move nothing forward
         return Task(LOCAL, name, waits, sets)
-    size = out if coll is Collective.ALL_GATHER else b
+    size = step.forward_bytes(b, out)
+    coll = Collective(coll)
     return Task(COMM, name, waits, sets, ctx.comm(coll, size, grp),
                 Rendezvous(Meet.FORWARD, ins.dst, grp), ctx.meet_of(grp))
 
