@@ -1,4 +1,4 @@
-"""Layers import only downward (DESIGN.md), checked by import-linter."""
+"""Layers import only downward (docs/architecture.md), checked by import-linter."""
 
 import shutil
 import subprocess

@@ -218,11 +218,6 @@ def line(prog: Program, ins) -> str:
     return ""
 
 
-def read_order(prog: Program) -> list[str]:
-    """Parameter paths in the order the generated ``forward`` first reads them."""
-    return [prm.path for prm in units.read_order(prog)]
-
-
 def _p2p_literal(step: P2P) -> str:
     return (f"dict(transfers={literal([tuple(t.__dict__.values()) for t in step.transfers])}, "
             f"shapes={literal(step.shapes)}, "

@@ -9,6 +9,7 @@ compute on its device and record where its outputs now live.
 from __future__ import annotations
 
 from torchweave.ir.graph import Graph, Node, Ref
+from torchweave.lower.check import check_program
 from torchweave.lower.coshard import coshard_key, coshare_id, lower_region
 from torchweave.lower.derive import Need, derive, point_to_point
 from torchweave.lower.pieces import (
@@ -312,4 +313,6 @@ def lower(graph: Graph, plan: Plan, *, stages: bool = True) -> list[Program]:
         split_stages(programs, graph, plan)
     for prog in programs:
         prog.recompute = [tuple(g) for g in plan.recompute]
+    # the contract codegen, the runtime and the simulator rely on
+    check_program(programs, names=stages or plan.pipeline is None)
     return programs

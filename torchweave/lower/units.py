@@ -66,4 +66,10 @@ def read_order(prog: Program) -> list[ParamSlot]:
     return [p for i in sorted(uses) for p in uses[i]]
 
 
-__all__ = ["UNIT_BYTES", "first_uses", "group_units", "read_order", "unit_key"]
+def read_paths(prog: Program) -> list[str]:
+    """Parameter paths in the order the program (and so its generated ``forward``) first
+    reads them: the order ZeRO's flat shard and the runtime's gradient buckets follow."""
+    return [prm.path for prm in read_order(prog)]
+
+
+__all__ = ["UNIT_BYTES", "first_uses", "group_units", "read_order", "read_paths", "unit_key"]

@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
-from torchweave.codegen.render import read_order
+from torchweave.lower.units import read_paths
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import ParamSlot, Program
 from torchweave.runtime.gradsync import GradSync
@@ -120,7 +120,7 @@ class RankModule(UserLoop):
         self.opt = None
         if zero:
             self.opt = ZeroOptimizer(gc, trainable, zero_group, stage=zero, factory=optimizer,
-                                     order=read_order(program))
+                                     order=read_paths(program))
             synced = [(p, g) for p, g in synced if not self.opt.owns(p)]
         rest = [p for p, _ in trainable if self.opt is None or not self.opt.owns(p)]
         self.optimizer = optimizer(rest) if rest else None

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from torchweave.codegen.render import read_order
+from torchweave.lower.units import read_paths
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.runtime.statedict import StateLayout, full_state, load_full, sharded_state
 
@@ -253,7 +253,7 @@ class UserLoop:
 
             mine = [(s.path, s.box) for s in self.program.params]
             if [(s.path, s.box) for s in program.params] != mine or (
-                    self.opt is not None and read_order(program) != read_order(self.program)):
+                    self.opt is not None and read_paths(program) != read_paths(self.program)):
                 raise TorchweaveError(Problem(
                     obj=f"plan {self.program.plan_name!r}", value=f"batch shapes {shapes}",
                     rule="a batch of other shapes runs the same plan with its parameters laid "

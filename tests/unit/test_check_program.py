@@ -1,0 +1,80 @@
+"""check_program: lowering's contract holds for real plans and each broken rule is named."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import captured
+from torchweave.lower.check import ProgramError, check_program
+from torchweave.lower.lower import lower
+from torchweave.lower.program import Comm, Compute
+from torchweave.lower.steps import P2P
+from torchweave.policies import resolve
+
+
+def _lowered(plan: str, world: int = 2):
+    graph = captured("gpt-tiny")
+    return lower(graph, resolve(plan, graph, world))
+
+
+@pytest.mark.parametrize("plan", ["dp", "zero3", "tp", "sp", "1f1b", "interleaved", "zb",
+                                  "1f1b:tp=2"])
+def test_lowered_plans_keep_the_contract(plan: str) -> None:
+    world = 4 if ":" in plan or plan == "interleaved" else 2
+    check_program(_lowered(plan, world))  # lower() runs it too; here it is the subject
+
+
+def _broken(programs, rule: str) -> None:
+    with pytest.raises(ProgramError) as info:
+        check_program(programs)
+    assert rule in str(info.value), str(info.value)
+
+
+def test_a_name_read_before_it_is_defined() -> None:
+    progs = copy.deepcopy(_lowered("tp"))
+    instrs = progs[0].instrs
+    first = next(i for i, ins in enumerate(instrs) if isinstance(ins, Compute) and ins.outputs)
+    del instrs[first]
+    _broken(progs, "is defined before use")
+
+
+def test_a_collective_over_a_group_the_program_does_not_list() -> None:
+    progs = copy.deepcopy(_lowered("tp"))
+    at = next(i for i, ins in enumerate(progs[1].instrs)
+              if isinstance(ins, Comm) and hasattr(ins.step, "groups"))
+    ins = progs[1].instrs[at]
+    progs[1].instrs[at] = replace(ins, step=replace(ins.step, groups=((1, 7),)))
+    _broken(progs, "among the program's groups")
+
+
+def test_ranks_out_of_order() -> None:
+    progs = _lowered("dp")
+    _broken(list(reversed(progs)), "programs are ranks 0..1 of 2, in order")
+
+
+def test_a_segment_that_drops_an_instruction() -> None:
+    progs = copy.deepcopy(_lowered("1f1b"))
+    seg = progs[0].segments[0]
+    seg.instrs = [i for i in seg.instrs if not isinstance(i, Compute)][:1] + \
+        [i for i in seg.instrs if isinstance(i, Compute)][1:]
+    _broken(progs, "segments hold each instruction")
+
+
+def test_a_boundary_nobody_receives() -> None:
+    progs = copy.deepcopy(_lowered("1f1b"))
+    receiver = next(p for p in progs if any(s.recvs for s in p.segments))
+    for seg in receiver.segments:
+        seg.recvs = []
+    _broken(progs, "its destination rank receives it")
+
+
+def test_a_boundary_that_differs_between_ranks() -> None:
+    progs = copy.deepcopy(_lowered("1f1b"))
+    seg = next(s for p in progs for s in p.segments if s.recvs)
+    b = seg.recvs[0]
+    assert isinstance(b.step, P2P)
+    seg.recvs[0] = replace(b, index=b.index + 99)
+    _broken(progs, "the same on every rank it touches")
