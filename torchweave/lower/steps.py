@@ -91,12 +91,11 @@ class AllReduce(_Collective):
         return ("all_reduce" if self.op == "sum" else "all_reduce_lse"), (), {"bwd": self.bwd}
 
 
-@dataclass(frozen=True)
-class ReduceScatter(_Collective):
-    groups: tuple[Group, ...]
+class _Scatter(_Collective):
+    """A step that leaves each member one slice along ``axis`` (a reduce-scatter, or a
+    local split): its backward gathers the source-sized gradient back."""
+
     axis: int
-    NAME: ClassVar[str] = "reduce_scatter"
-    FORWARD: ClassVar[str | None] = "reduce_scatter"
     BACKWARD: ClassVar[str | None] = "all_gather"
     BACKWARD_BYTES: ClassVar[Literal["src", "dst"]] = "src"
 
@@ -105,6 +104,14 @@ class ReduceScatter(_Collective):
 
     def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
         return self.NAME, (self.axis,), {}
+
+
+@dataclass(frozen=True)
+class ReduceScatter(_Scatter):
+    groups: tuple[Group, ...]
+    axis: int
+    NAME: ClassVar[str] = "reduce_scatter"
+    FORWARD: ClassVar[str | None] = "reduce_scatter"
 
 
 @dataclass(frozen=True)
@@ -129,19 +136,11 @@ class AllGather(_Collective):
 
 
 @dataclass(frozen=True)
-class Split(_Collective):
+class Split(_Scatter):
     groups: tuple[Group, ...]
     axis: int
     NAME: ClassVar[str] = "split"
     SPANS_REPLICAS: ClassVar[bool] = True
-    BACKWARD: ClassVar[str | None] = "all_gather"
-    BACKWARD_BYTES: ClassVar[Literal["src", "dst"]] = "src"
-
-    def out_bytes(self, nbytes: float, size: int) -> float:
-        return nbytes / size
-
-    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-        return self.NAME, (self.axis,), {}
 
 
 @dataclass(frozen=True)
