@@ -147,8 +147,8 @@ def _curve(precision: str, steps: int, dev: torch.device) -> list[float]:
     model, inputs = _built("gpt-tiny")
     with tempfile.TemporaryDirectory() as tmp:
         comp = compile_plan(model, inputs, "dp", world_size=1, code_dir=tmp, precision=precision)
-        gc = GroupCache(rank=0, world_size=1, timeout_s=30.0, device=dev)
-        module = RankModule(comp.programs[0], comp.code_paths[0], comp.state, gc,
+        group_cache = GroupCache(rank=0, world_size=1, timeout_s=30.0, device=dev)
+        module = RankModule(comp.programs[0], comp.code_paths[0], comp.state, group_cache,
                             config=StepConfig(precision=precision))
         return [module.train_step(*inputs) for _ in range(steps)]
 
@@ -204,8 +204,8 @@ def _predict_and_measure(ctx: Ctx, cfg, batch, cluster_name: str,
         profiles = OpProfiles(device=f"{cluster_name} ({dev.type}, torch {torch.__version__})")
         entries = profile_graph(comp.graph, comp.plan, profiles, reps=3 if ctx.smoke else 5, device=dev)
         profiled = simulate(comp.graph, comp.plan, cluster, profiles=profiles)
-        gc = GroupCache(rank=0, world_size=1, timeout_s=30.0, device=dev)
-        module = RankModule(comp.programs[0], comp.code_paths[0], comp.state, gc,
+        group_cache = GroupCache(rank=0, world_size=1, timeout_s=30.0, device=dev)
+        module = RankModule(comp.programs[0], comp.code_paths[0], comp.state, group_cache,
                             config=StepConfig(precision=precision))
         del model
         if dev.type == "cuda":

@@ -187,8 +187,8 @@ def _round_trip(ctx: Ctx, name: str, dev: torch.device) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (path,) = write(programs, tmp)
         state = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]}
-        gc = GroupCache(rank=0, world_size=1, timeout_s=30.0, device=dev)
-        module = RankModule(programs[0], path, state, gc)
+        group_cache = GroupCache(rank=0, world_size=1, timeout_s=30.0, device=dev)
+        module = RankModule(programs[0], path, state, group_cache)
         loss = module.backward_step(*inputs)
     ref = model.to(dev)
     out = ref(*_to(inputs, dev))

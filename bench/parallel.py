@@ -224,7 +224,7 @@ def tw_side(ctx, model, batch, plan: str, code_dir: str | None, *, memory: bool)
     def finish() -> dict[str, Any]:
         # One more step, split so that memory is measured after backward (parameters,
         # gradients and optimizer state all present); it also counts the collectives.
-        with module.rt.gc.counter.window() as calls:
+        with module.rt.group_cache.counter.window() as calls:
             module.backward_step(*batch)
             mem = tw_memory(module)
             module.optimizer_step()

@@ -203,13 +203,13 @@ def _check_zero3_order(plan: Plan, programs: list[Program]) -> None:
                 "(no permuted device order)"))
 
 
-def rank_module(compiled: Compiled, gc: GroupCache, *, optimizer: OptimizerFactory,
+def rank_module(compiled: Compiled, group_cache: GroupCache, *, optimizer: OptimizerFactory,
                 config: StepConfig) -> RankModule:
-    rank = gc.rank
+    rank = group_cache.rank
     cls = PipelineModule if compiled.plan.pipeline is not None else RankModule
     if cls is RankModule:  # the plan's accum, merged with the step's by compile_plan
         config = dataclasses.replace(config, grad_accum=compiled.plan.accum)
-    module = cls(compiled.programs[rank], compiled.code_paths[rank], compiled.state, gc,
+    module = cls(compiled.programs[rank], compiled.code_paths[rank], compiled.state, group_cache,
                  optimizer=optimizer, config=config, zero=compiled.plan.zero,
                  zero_group=compiled.zero_group(rank))
     module.layout, module.example_shapes = compiled.layout, compiled.example_shapes

@@ -65,7 +65,7 @@ def _counts(c, want: dict, what: str) -> None:
     assert c.counts() == want, f"{what}: counted {c}, want {want}"
 
 
-def _check_all_reduce(gc, G, i, done):
+def _check_all_reduce(group_cache, G, i, done):
     n = len(G)
     for bwd in ("identity", "all_reduce"):
         for dtype, contiguous in ((torch.float64, True), (torch.float32, False)):
@@ -76,8 +76,8 @@ def _check_all_reduce(gc, G, i, done):
             (_head(Y, W[0]) if bwd == "identity" else sum(_head(Y, w) for w in W)).backward()
 
             leaf, x = _leaf(X[i], contiguous)
-            with gc.counter.window() as c:
-                y = comm.all_reduce(gc, x, G, bwd=bwd)
+            with group_cache.counter.window() as c:
+                y = comm.all_reduce(group_cache, x, G, bwd=bwd)
                 _head(y, W[0] if bwd == "identity" else W[i]).backward()
             what = f"all_reduce(bwd={bwd}, {dtype}) on {G}"
             _close(y, Y, what + " forward")
@@ -87,7 +87,7 @@ def _check_all_reduce(gc, G, i, done):
             done.append(what)
 
 
-def _check_all_gather(gc, G, i, done):
+def _check_all_gather(group_cache, G, i, done):
     n = len(G)
     for axis, bwd, contiguous in ((0, "slice", True), (1, "slice", False), (-1, "slice", True),
                                   (0, "reduce_scatter", False), (2, "reduce_scatter", True)):
@@ -97,8 +97,8 @@ def _check_all_gather(gc, G, i, done):
         (_head(ref, W[0]) if bwd == "slice" else sum(_head(ref, w) for w in W)).backward()
 
         leaf, x = _leaf(X.chunk(n, axis)[i], contiguous)
-        with gc.counter.window() as c:
-            y = comm.all_gather(gc, x, G, axis, bwd=bwd)
+        with group_cache.counter.window() as c:
+            y = comm.all_gather(group_cache, x, G, axis, bwd=bwd)
             _head(y, W[0] if bwd == "slice" else W[i]).backward()
         what = f"all_gather(axis={axis}, bwd={bwd}) on {G}"
         _close(y, X, what + " forward")
@@ -107,7 +107,7 @@ def _check_all_gather(gc, G, i, done):
         done.append(what)
 
 
-def _check_reduce_scatter_and_split(gc, G, i, done):
+def _check_reduce_scatter_and_split(group_cache, G, i, done):
     n = len(G)
     for axis in (0, 1, -1):
         X = _rand("rs.x", G, n, 2 * n, n, 3 * n)  # n partial pieces
@@ -116,8 +116,8 @@ def _check_reduce_scatter_and_split(gc, G, i, done):
         Y = ref.sum(0)
         _head(Y, W).backward()
         leaf, x = _leaf(X[i], axis != 1)
-        with gc.counter.window() as c:
-            y = comm.reduce_scatter(gc, x, G, axis)
+        with group_cache.counter.window() as c:
+            y = comm.reduce_scatter(group_cache, x, G, axis)
             _head(y, W.chunk(n, axis)[i]).backward()
         what = f"reduce_scatter(axis={axis}) on {G}"
         _close(y, Y.chunk(n, axis)[i], what + " forward")
@@ -129,8 +129,8 @@ def _check_reduce_scatter_and_split(gc, G, i, done):
         ref = X.clone().requires_grad_()
         _head(ref, W).backward()
         leaf, x = _leaf(X, True)
-        with gc.counter.window() as c:
-            y = comm.split(gc, x, G, axis)
+        with group_cache.counter.window() as c:
+            y = comm.split(group_cache, x, G, axis)
             _head(y, W.chunk(n, axis)[i]).backward()
         what = f"split(axis={axis}) on {G}"
         _close(y, X.chunk(n, axis)[i], what + " forward")
@@ -139,7 +139,7 @@ def _check_reduce_scatter_and_split(gc, G, i, done):
         done.append(what)
 
 
-def _check_all_to_all(gc, G, i, done):
+def _check_all_to_all(group_cache, G, i, done):
     n = len(G)
     for a, b in ((0, 1), (1, 0), (1, 1), (2, 0), (-1, 1)):
         X = _rand("a2a.x", G, 2 * n, n * n, 3 * n)
@@ -152,8 +152,8 @@ def _check_all_to_all(gc, G, i, done):
             _close(outs[i], X.chunk(n, b)[i], "all_to_all reference")  # S(a) -> S(b)
 
         leaf, x = _leaf(X.chunk(n, a)[i], a != 0)
-        with gc.counter.window() as c:
-            y = comm.all_to_all(gc, x, G, split_axis=b, cat_axis=a)
+        with group_cache.counter.window() as c:
+            y = comm.all_to_all(group_cache, x, G, split_axis=b, cat_axis=a)
             _head(y, W[i]).backward()
         what = f"all_to_all(split_axis={b}, cat_axis={a}) on {G}"
         _close(y, outs[i].detach(), what + " forward")
@@ -162,15 +162,15 @@ def _check_all_to_all(gc, G, i, done):
         done.append(what)
 
 
-def _check_grad_ops(gc, G, i, done):
+def _check_grad_ops(group_cache, G, i, done):
     n = len(G)
     X = _rand("f.x", G, 3, 5)
     W = _rand("f.w", G, n, 3, 5)
     ref = X.clone().requires_grad_()
     sum(_head(ref, w) for w in W).backward()
     x = X.clone().requires_grad_()
-    with gc.counter.window() as c:
-        y = comm.grad_all_reduce(gc, x, G)
+    with group_cache.counter.window() as c:
+        y = comm.grad_all_reduce(group_cache, x, G)
         _head(y, W[i]).backward()
     what = f"grad_all_reduce on {G}"
     _close(y, X, what + " forward")
@@ -188,8 +188,8 @@ def _check_grad_ops(gc, G, i, done):
     done.append(f"grad_scale on {G}")
 
 
-def _check_exchange(gc, done):
-    r, w = gc.rank, gc.world_size
+def _check_exchange(group_cache, done):
+    r, w = group_cache.rank, group_cache.world_size
     nxt, prv = (r + 1) % w, (r - 1) % w
     sends = [(nxt, torch.full((r + 1, 2), float(r))), (nxt, torch.arange(r + 2))]
     specs = [(prv, (prv + 1, 2), torch.float32), (prv, (prv + 2,), torch.int64)]
@@ -197,8 +197,8 @@ def _check_exchange(gc, done):
         sends.append(((r + 2) % w, torch.full((1, r + 1), -float(r), dtype=torch.float64)))
         src = (r - 2) % w
         specs.append((src, (1, src + 1), torch.float64))
-    with gc.counter.window() as c:
-        got = comm.exchange(gc, sends, specs)
+    with group_cache.counter.window() as c:
+        got = comm.exchange(group_cache, sends, specs)
     assert torch.equal(got[0], torch.full((prv + 1, 2), float(prv))), got[0]
     assert torch.equal(got[1], torch.arange(prv + 2)), got[1]
     if w >= 3:
@@ -207,45 +207,45 @@ def _check_exchange(gc, done):
     done.append("exchange")
 
 
-def _check_errors(gc, done):
+def _check_errors(group_cache, done):
     """Misuse fails on the calling rank with a message naming the group."""
-    other = tuple(r for r in gc.world if r != gc.rank)
+    other = tuple(r for r in group_cache.world if r != group_cache.rank)
     if len(other) >= 2:
-        msg = f"group {other}: called on rank {gc.rank}"
+        msg = f"group {other}: called on rank {group_cache.rank}"
         with pytest.raises(comm.CommError, match=re.escape(msg)):
-            comm.all_reduce(gc, torch.ones(2), other)
-    with pytest.raises(TorchweaveError, match=r"\(%d,\): not created" % gc.rank):
-        gc.get((gc.rank,))
+            comm.all_reduce(group_cache, torch.ones(2), other)
+    with pytest.raises(TorchweaveError, match=r"\(%d,\): not created" % group_cache.rank):
+        group_cache.get((group_cache.rank,))
     with pytest.raises(TorchweaveError, match=r"ranks \[9\]"):
-        gc.get((0, 9))
+        group_cache.get((0, 9))
     with pytest.raises(comm.CommError, match="divide evenly"):
-        comm.reduce_scatter(gc, torch.ones(gc.world_size + 1), gc.world, 0)
+        comm.reduce_scatter(group_cache, torch.ones(group_cache.world_size + 1), group_cache.world, 0)
     with pytest.raises(comm.CommError, match="axis"):
-        comm.all_gather(gc, torch.ones(2, 2), gc.world, 2)
+        comm.all_gather(group_cache, torch.ones(2, 2), group_cache.world, 2)
     with pytest.raises(comm.CommError, match="peers"):
-        comm.exchange(gc, [(gc.rank, torch.ones(1))], [])
+        comm.exchange(group_cache, [(group_cache.rank, torch.ones(1))], [])
     done.append("errors")
 
 
 def _comm_job(ctx, partitions, abort_marker):
-    gc = ctx.groups
-    gc.create_all([g for part in partitions for g in part])
+    group_cache = ctx.groups
+    group_cache.create_all([g for part in partitions for g in part])
     done: list[str] = []
     for part in partitions:
         (G,) = [g for g in part if ctx.rank in g]
         i = G.index(ctx.rank)
-        with gc.counter.window() as outer:
-            _check_all_reduce(gc, G, i, done)
-            _check_all_gather(gc, G, i, done)
-            _check_reduce_scatter_and_split(gc, G, i, done)
-            _check_all_to_all(gc, G, i, done)
-            _check_grad_ops(gc, G, i, done)
+        with group_cache.counter.window() as outer:
+            _check_all_reduce(group_cache, G, i, done)
+            _check_all_gather(group_cache, G, i, done)
+            _check_reduce_scatter_and_split(group_cache, G, i, done)
+            _check_all_to_all(group_cache, G, i, done)
+            _check_grad_ops(group_cache, G, i, done)
         # all_reduce 2+4, all_gather 3+2*2, reduce_scatter+split 3*3, all_to_all 5*2, f 1
         assert outer.count() == outer.count(group=G) == 6 + 7 + 9 + 10 + 1, outer
-    _check_exchange(gc, done)
-    before = gc.counter.count()
-    _check_errors(gc, done)
-    assert gc.counter.count() == before
+    _check_exchange(group_cache, done)
+    before = group_cache.counter.count()
+    _check_errors(group_cache, done)
+    assert group_cache.counter.count() == before
     if abort_marker and ctx.rank == ctx.world_size - 1:
         atexit.register(_die_at_exit, abort_marker)  # the teardown crash of PLATFORM.md
     return done

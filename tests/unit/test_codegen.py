@@ -26,7 +26,7 @@ def test_header_and_one_op_per_line() -> None:
     assert body and all(line.count(" = ") == 1 for line in body)
     commented = [line for line in body if "aten." in line]
     assert all("  # (" in line for line in commented), "every op line has a shape comment"
-    assert any("C.all_reduce(rt.gc" in line for line in body)
+    assert any("C.all_reduce(rt.group_cache" in line for line in body)
 
 
 def test_round_trip_renders_runs_and_matches(tmp_path) -> None:
@@ -36,8 +36,8 @@ def test_round_trip_renders_runs_and_matches(tmp_path) -> None:
     plan = resolve("dp", graph, 1)
     (path,) = write(lower(graph, plan), str(tmp_path))
     state = {k: v.detach() for k, v in state_of(model).items()}
-    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
-    module = RankModule(lower(graph, plan)[0], path, state, gc)
+    group_cache = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    module = RankModule(lower(graph, plan)[0], path, state, group_cache)
     loss = module.backward_step(*inputs)
     model.zero_grad()
     want = model(*inputs)

@@ -95,8 +95,8 @@ def test_a_hostile_module_name_reaches_code_only_as_a_repr(tmp_path: Path) -> No
     compiled = compile_plan(model, (x,), "dp", world_size=1, code_dir=str(tmp_path / "code"))
     src = Path(compiled.code_paths[0]).read_text()
     assert f"p[{f'{name}.weight'!r}]" in src
-    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
-    module = RankModule(compiled.programs[0], compiled.code_paths[0], compiled.state, gc)
+    group_cache = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    module = RankModule(compiled.programs[0], compiled.code_paths[0], compiled.state, group_cache)
     loss = module.backward_step(x)
     assert abs(loss - float(model(x).detach())) < 1e-6
     assert not marker.exists()

@@ -55,8 +55,8 @@ class MLP(nn.Module):
 def _module(graph, plan, state, tmp_path, tag: str) -> RankModule:
     programs = lower(graph, plan)
     (path,) = write(programs, str(tmp_path / tag))
-    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
-    return RankModule(programs[0], path, state, gc)
+    group_cache = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    return RankModule(programs[0], path, state, group_cache)
 
 
 def test_coshard_region_memory_falls_by_k_minus_1_over_k(tmp_path) -> None:

@@ -143,12 +143,12 @@ def test_recompute_groups_keep_less_and_compute_the_same(tmp_path) -> None:
     model, inputs = built("gpt-tiny")[:2]
     graph = captured("gpt-tiny")
     state = {k: v.detach() for k, v in state_of(model).items()}
-    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    group_cache = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
     results = []
     for k, groups in enumerate([(), ("mlp", "attn")]):
         plan = with_recompute(resolve("dp", graph, 1), graph, groups)
         (path,) = write(lower(graph, plan), str(tmp_path / str(k)))
-        module = RankModule(lower(graph, plan)[0], path, state, gc)
+        module = RankModule(lower(graph, plan)[0], path, state, group_cache)
         saved = saved_bytes(module, inputs)
         loss = module.backward_step(*inputs)
         results.append((saved, loss, {p: t.grad.clone() for p, t in module.params.items()
@@ -220,10 +220,10 @@ def test_one_stage_pipeline_runs_in_process_and_matches_the_model(tmp_path) -> N
     programs = lower(graph, plan)
     (path,) = write(programs, str(tmp_path))
     state = {k: v.detach() for k, v in state_of(model).items()}
-    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    group_cache = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
     with pytest.raises(TorchweaveError, match="takes its micro-batches from the plan"):
-        PipelineModule(programs[0], path, state, gc, config=StepConfig(grad_accum=2))
-    module = PipelineModule(programs[0], path, state, gc)
+        PipelineModule(programs[0], path, state, group_cache, config=StepConfig(grad_accum=2))
+    module = PipelineModule(programs[0], path, state, group_cache)
     big = tuple(torch.cat([x, x]) for x in inputs)  # each micro-batch is the example batch
     assert_grads_match_model(module, model, inputs, module.backward_step(*big))
     assert module.stats.peak_live == 2 and module.stats.wait_s == 0.0

@@ -162,12 +162,12 @@ def test_recompute_keeps_less_and_computes_the_same(tmp_path, mode) -> None:
     model, inputs = built("gpt-tiny")[:2]
     graph = captured("gpt-tiny")
     state = {k: v.detach() for k, v in state_of(model).items()}
-    gc = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
+    group_cache = GroupCache(rank=0, world_size=1, timeout_s=5.0, device=torch.device("cpu"))
     out = []
     for spec in ("dp", f"dp:recompute={mode}"):
         plan = resolve(spec, graph, 1)
         (path,) = write(lower(graph, plan), str(tmp_path / spec.replace(":", "_").replace("=", "_")))
-        module = RankModule(lower(graph, plan)[0], path, state, gc)
+        module = RankModule(lower(graph, plan)[0], path, state, group_cache)
         saved = saved_bytes(module, inputs)
         loss = module.backward_step(*inputs)
         out.append((saved, loss, {p: t.grad.clone() for p, t in module.params.items() if t.grad is not None}))

@@ -24,7 +24,7 @@ COLLECTIVES = [
 def test_each_steps_runtime_function_exists_and_takes_its_arguments(step) -> None:
     fn, args, kwargs = step.runtime_call()
     target = getattr(comm, fn)
-    inspect.signature(target).bind("gc", "x", (0, 1), *args, **kwargs)
+    inspect.signature(target).bind("group_cache", "x", (0, 1), *args, **kwargs)
 
 
 @pytest.mark.parametrize("step", COLLECTIVES + [steps.Narrow(((0, ((0, 1),)),)),
@@ -48,6 +48,6 @@ def test_the_backward_collective_follows_the_steps_mode() -> None:
 def test_generated_lines_read_the_table() -> None:
     prog = Program(rank=0, world_size=2, plan_name="p", groups=[(0, 1)])
     line = _comm_line(prog, Comm(steps.AllGather(G, 2, bwd="reduce_scatter"), "v", "x", "y"))
-    assert line == "y = C.all_gather(rt.gc, x, (0, 1), 2, bwd='reduce_scatter')"
+    assert line == "y = C.all_gather(rt.group_cache, x, (0, 1), 2, bwd='reduce_scatter')"
     line = _comm_line(prog, Comm(steps.AllReduce(G, op="lse"), "v", "x", "y"))
-    assert line == "y = C.all_reduce_lse(rt.gc, x, (0, 1), bwd='identity')"
+    assert line == "y = C.all_reduce_lse(rt.group_cache, x, (0, 1), bwd='identity')"

@@ -102,7 +102,7 @@ def _group(prog: Program, groups: tuple[Group, ...]) -> str:
 
 
 def _comm_line(prog: Program, c: Comm) -> str:
-    """``dst = C.<fn>(rt.gc, src, group, *args, **kwargs)``, as the step's own table says."""
+    """``dst = C.<fn>(rt.group_cache, src, group, *args, **kwargs)``, as the step's own table says."""
     s, x, y = c.step, c.src, c.dst
     if isinstance(s, Narrow):
         box = dict(s.boxes)[prog.rank]
@@ -112,7 +112,7 @@ def _comm_line(prog: Program, c: Comm) -> str:
     else:
         fn, args, kwargs = s.runtime_call()
         rest = [literal(a) for a in args] + [f"{k}={literal(v)}" for k, v in kwargs.items()]
-        call = f"C.{fn}(rt.gc, {', '.join([x, _group(prog, s.groups), *rest])})"
+        call = f"C.{fn}(rt.group_cache, {', '.join([x, _group(prog, s.groups), *rest])})"
     return f"{y} = {call}"
 
 

@@ -53,7 +53,7 @@ class CommError(TorchweaveError):
 class _Group:
     """A resolved group: ranks, process group, this rank's index."""
 
-    gc: GroupCache
+    group_cache: GroupCache
     ranks: tuple[int, ...]
     pg: dist.ProcessGroup
     index: int
@@ -63,17 +63,17 @@ class _Group:
         return len(self.ranks)
 
     def record(self, kind: CommKind, direction: Direction, x: torch.Tensor) -> None:
-        self.gc.counter.record(kind, direction, self.ranks, x.numel() * x.element_size())
+        self.group_cache.counter.record(kind, direction, self.ranks, x.numel() * x.element_size())
 
 
-def _resolve(gc: GroupCache, group: Sequence[int], op: str) -> _Group:
-    ranks = gc.normalize(group)
-    if gc.rank not in ranks:
+def _resolve(group_cache: GroupCache, group: Sequence[int], op: str) -> _Group:
+    ranks = group_cache.normalize(group)
+    if group_cache.rank not in ranks:
         raise CommError(Problem(
-            obj=f"{op} on group {ranks}", value=f"called on rank {gc.rank}",
+            obj=f"{op} on group {ranks}", value=f"called on rank {group_cache.rank}",
             rule="only members of a group may call its collectives",
             fix="call it only on the ranks in the group"))
-    return _Group(gc, ranks, gc.get(ranks), ranks.index(gc.rank))
+    return _Group(group_cache, ranks, group_cache.get(ranks), ranks.index(group_cache.rank))
 
 
 def _axis(x: torch.Tensor, axis: int, op: str) -> int:
@@ -252,66 +252,66 @@ class _GradScale(torch.autograd.Function):
 
 # ---- public API ----
 
-def all_reduce(gc: GroupCache, x: torch.Tensor, group: Sequence[int], *,
+def all_reduce(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], *,
                bwd: Literal["identity", "all_reduce"] = "identity") -> torch.Tensor:
     """Sum over the group (P -> R). ``bwd``: identity (R-grad), or all-reduce."""
     _check_choice("all_reduce bwd", bwd, ("identity", "all_reduce"))
-    return _AllReduce.apply(x, _resolve(gc, group, "all_reduce"), bwd == "all_reduce")
+    return _AllReduce.apply(x, _resolve(group_cache, group, "all_reduce"), bwd == "all_reduce")
 
 
-def all_reduce_lse(gc: GroupCache, x: torch.Tensor, group: Sequence[int], *,
+def all_reduce_lse(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], *,
                    bwd: Literal["identity", "all_reduce"] = "identity") -> torch.Tensor:
     """Combine partial log-sum-exps over the group (P(lse) -> R); backward scales
     each term's gradient by its share ``exp(x − result)``."""
     _check_choice("all_reduce_lse bwd", bwd, ("identity", "all_reduce"))
-    return _AllReduceLSE.apply(x, _resolve(gc, group, "all_reduce_lse"), bwd == "all_reduce")
+    return _AllReduceLSE.apply(x, _resolve(group_cache, group, "all_reduce_lse"), bwd == "all_reduce")
 
 
-def all_gather(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int, *,
+def all_gather(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int, *,
                bwd: Literal["slice", "reduce_scatter"] = "slice") -> torch.Tensor:
     """Concatenate members' pieces along ``axis`` (S -> R).
 
     ``bwd``: this member's slice of the gradient (R-grad), or reduce-scatter.
     """
     _check_choice("all_gather bwd", bwd, ("slice", "reduce_scatter"))
-    g = _resolve(gc, group, "all_gather")
+    g = _resolve(group_cache, group, "all_gather")
     return _AllGather.apply(x, g, _axis(x, axis, "all_gather"), bwd == "reduce_scatter")
 
 
-def reduce_scatter(gc: GroupCache, x: torch.Tensor, group: Sequence[int],
+def reduce_scatter(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int],
                    axis: int) -> torch.Tensor:
     """Sum over the group and keep this member's chunk along ``axis`` (P -> S)."""
-    g = _resolve(gc, group, "reduce_scatter")
+    g = _resolve(group_cache, group, "reduce_scatter")
     axis = _axis(x, axis, "reduce_scatter")
     _check_divisible(x, axis, g, "reduce_scatter")
     return _ReduceScatter.apply(x, g, axis)
 
 
-def split(gc: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int) -> torch.Tensor:
+def split(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int) -> torch.Tensor:
     """Keep this member's chunk along ``axis`` (R -> S); no communication forward."""
-    g = _resolve(gc, group, "split")
+    g = _resolve(group_cache, group, "split")
     axis = _axis(x, axis, "split")
     _check_divisible(x, axis, g, "split")
     return _Split.apply(x, g, axis)
 
 
-def all_to_all(gc: GroupCache, x: torch.Tensor, group: Sequence[int], split_axis: int,
+def all_to_all(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], split_axis: int,
                cat_axis: int) -> torch.Tensor:
     """Send chunk j along ``split_axis`` to member j; concatenate what arrives along ``cat_axis``.
 
     On a tensor sharded along ``cat_axis`` (S(cat)), this reshards it along
     ``split_axis`` (S(split)).
     """
-    g = _resolve(gc, group, "all_to_all")
+    g = _resolve(group_cache, group, "all_to_all")
     split_axis = _axis(x, split_axis, "all_to_all")
     cat_axis = _axis(x, cat_axis, "all_to_all")
     _check_divisible(x, split_axis, g, "all_to_all")
     return _AllToAll.apply(x, g, split_axis, cat_axis)
 
 
-def grad_all_reduce(gc: GroupCache, x: torch.Tensor, group: Sequence[int]) -> torch.Tensor:
+def grad_all_reduce(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int]) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (Megatron's ``f``)."""
-    return _GradAllReduce.apply(x, _resolve(gc, group, "grad_all_reduce"))
+    return _GradAllReduce.apply(x, _resolve(group_cache, group, "grad_all_reduce"))
 
 
 def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -319,37 +319,38 @@ def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
     return _GradScale.apply(x, factor)
 
 
-def exchange(gc: GroupCache, sends: Sequence[tuple[int, torch.Tensor]],
+def exchange(group_cache: GroupCache, sends: Sequence[tuple[int, torch.Tensor]],
              recv_specs: Sequence[tuple[int, Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
     """Point-to-point transfers for irregular layouts; not differentiable.
 
     ``sends`` is ``[(dst_rank, tensor)]``; ``recv_specs`` is
     ``[(src_rank, shape, dtype)]``. Returns the received tensors, in the order
-    of ``recv_specs``, on ``gc.device``. Several transfers between one pair of
+    of ``recv_specs``, on ``group_cache.device``. Several transfers between one pair of
     ranks match in the order they are listed on both sides.
     """
     peers = [dst for dst, _ in sends] + [src for src, _, _ in recv_specs]
-    bad = [p for p in peers if not isinstance(p, int) or not 0 <= p < gc.world_size or p == gc.rank]
+    world, me = group_cache.world_size, group_cache.rank
+    bad = [p for p in peers if not isinstance(p, int) or not 0 <= p < world or p == me]
     if bad:
         raise CommError(Problem(
-            obj=f"exchange on rank {gc.rank}", value=f"peers {bad}",
-            rule=f"peers are other ranks in [0, world_size={gc.world_size})",
+            obj=f"exchange on rank {group_cache.rank}", value=f"peers {bad}",
+            rule=f"peers are other ranks in [0, world_size={group_cache.world_size})",
             fix="keep pieces that stay on this rank out of the exchange"))
     ops, received, nbytes = [], [], 0
     for dst, t in sends:
-        t = t.detach().contiguous().to(gc.p2p_device)
+        t = t.detach().contiguous().to(group_cache.p2p_device)
         nbytes += t.numel() * t.element_size()
         ops.append(dist.P2POp(dist.isend, t, peer=dst))
     for src, shape, dtype in recv_specs:
-        buf = torch.empty(tuple(shape), dtype=dtype, device=gc.p2p_device)
+        buf = torch.empty(tuple(shape), dtype=dtype, device=group_cache.p2p_device)
         received.append(buf)
         ops.append(dist.P2POp(dist.irecv, buf, peer=src))
     if not ops:
         return received
-    gc.counter.record(CommKind.P2P, FWD, gc.world, nbytes)
+    group_cache.counter.record(CommKind.P2P, FWD, group_cache.world, nbytes)
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    return [buf.to(gc.device) for buf in received]
+    return [buf.to(group_cache.device) for buf in received]
 
 
 def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -74,8 +74,10 @@ class Runtime:
 
     rank: int
     device: torch.device
-    gc: GroupCache
-    tokens: list[torch.Tensor] = field(default_factory=list)
+    group_cache: GroupCache
+    send_roots: list[torch.Tensor] = field(default_factory=list)
+    """Empty results of point-to-point steps on ranks that only send: backward starts from
+    them too, so that gradients come back to what was sent (``runtime/p2p.py``)."""
 
 
 def load_module(path: str, name: str) -> Any:
@@ -96,12 +98,12 @@ class RankModule(UserLoop):
     (``pm(*batch)``, ``loss.backward()``; :mod:`torchweave.runtime.user`)."""
 
     def __init__(self, program: Program, code_path: str, state: dict[str, torch.Tensor],
-                 gc: GroupCache, *, optimizer: OptimizerFactory = default_optimizer,
+                 group_cache: GroupCache, *, optimizer: OptimizerFactory = default_optimizer,
                  config: StepConfig = StepConfig(), zero: int = 0,
                  zero_group: tuple[int, ...] | None = None) -> None:
         self.program, self.config = program, config
-        self.rt = Runtime(program.rank, gc.device, gc)
-        gc.create_all(program.groups + ([zero_group] if zero_group else []))
+        self.rt = Runtime(program.rank, group_cache.device, group_cache)
+        group_cache.create_all(program.groups + ([zero_group] if zero_group else []))
         self.code = load_module(code_path, f"torchweave_rank{program.rank}_{id(self)}")
         self.params: dict[str, torch.Tensor] = {}
         self.slots: dict[str, ParamSlot] = {}
@@ -109,7 +111,7 @@ class RankModule(UserLoop):
             if slot.path not in state:
                 raise TorchweaveError(Problem(obj=f"parameter {slot.path}", value="missing",
                                               rule="the state holds every parameter of the graph"))
-            piece = slice_box(state[slot.path].detach(), slot.box).clone().to(gc.device)
+            piece = slice_box(state[slot.path].detach(), slot.box).clone().to(group_cache.device)
             if slot.requires_grad and not slot.is_buffer:
                 piece.requires_grad_(True)
             self.params[slot.path] = piece
@@ -119,12 +121,12 @@ class RankModule(UserLoop):
         synced = [(p, s.grad_groups[0]) for p, s in trainable if s.grad_groups]
         self.opt = None
         if zero:
-            self.opt = ZeroOptimizer(gc, trainable, zero_group, stage=zero, factory=optimizer,
+            self.opt = ZeroOptimizer(group_cache, trainable, zero_group, stage=zero, factory=optimizer,
                                      order=read_paths(program))
             synced = [(p, g) for p, g in synced if not self.opt.owns(p)]
         rest = [p for p, _ in trainable if self.opt is None or not self.opt.owns(p)]
         self.optimizer = optimizer(rest) if rest else None
-        self.sync = GradSync(gc, synced, bucket_bytes=int(config.bucket_mb * 2**20),
+        self.sync = GradSync(group_cache, synced, bucket_bytes=int(config.bucket_mb * 2**20),
                              overlap=config.overlap)
         self.trainable = trainable
 
@@ -143,7 +145,7 @@ class RankModule(UserLoop):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | None:
         """This rank's forward pass; its local loss term (or None)."""
         inputs = tuple(self._cast(x.to(self.rt.device)) for x in inputs)
-        self.rt.tokens = []
+        self.rt.send_roots = []
         params = self.param_view()
         if self.opt is None or self.opt.stage < 3:
             return self.code.forward(self.rt, params, *inputs)
@@ -168,7 +170,7 @@ class RankModule(UserLoop):
             last = i == k - 1
             self.sync.enabled = last
             loss = self.forward(*[m[i] for m in micro])
-            roots = ([loss.float() / k] if loss is not None else []) + self.rt.tokens
+            roots = ([loss.float() / k] if loss is not None else []) + self.rt.send_roots
             if roots and any(r.requires_grad for r in roots):
                 grads = [torch.ones_like(r) if r.numel() else torch.zeros_like(r) for r in roots]
                 torch.autograd.backward(roots, grads)
@@ -222,7 +224,7 @@ class RankModule(UserLoop):
         index, count = prog.loss_partial
         buf = torch.zeros(2 * count, dtype=torch.float64, device=self.rt.device)
         buf[index], buf[count + index] = local, 1.0
-        dist.all_reduce(buf, group=self.rt.gc.get(prog.loss_group))
+        dist.all_reduce(buf, group=self.rt.group_cache.get(prog.loss_group))
         return float((buf[:count] / buf[count:]).sum())
 
     def grad_norm(self) -> float:

@@ -36,9 +36,9 @@ class Bucket:
 class GradSync:
     """Bucketed all-reduce of parameter gradients over their plan-given groups."""
 
-    def __init__(self, gc: GroupCache, params: list[tuple[torch.Tensor, tuple[int, ...]]],
+    def __init__(self, group_cache: GroupCache, params: list[tuple[torch.Tensor, tuple[int, ...]]],
                  *, bucket_bytes: int, overlap: bool) -> None:
-        self.gc, self.overlap = gc, overlap
+        self.group_cache, self.overlap = group_cache, overlap
         self.buckets: list[Bucket] = []
         self.enabled = True
         self.allow: set[int] | None = None
@@ -91,9 +91,9 @@ class GradSync:
     def _launch(self, b: Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.flat = torch.cat([g.reshape(-1) for g in grads])
-        self.gc.counter.record(CommKind.ALL_REDUCE, Direction.BACKWARD, b.group,
+        self.group_cache.counter.record(CommKind.ALL_REDUCE, Direction.BACKWARD, b.group,
                                b.flat.numel() * b.flat.element_size())
-        pg = self.gc.get(b.group)
+        pg = self.group_cache.get(b.group)
         b.work = dist.all_reduce(b.flat, group=pg, async_op=self.overlap)
 
     def finish(self) -> None:

@@ -19,12 +19,12 @@ def _region(t: torch.Tensor, box) -> torch.Tensor:
     return t[tuple(slice(a, b) for a, b in box)]
 
 
-def _run(gc, x: torch.Tensor, transfers, out_shape, rank: int) -> torch.Tensor | None:
+def _run(group_cache, x: torch.Tensor, transfers, out_shape, rank: int) -> torch.Tensor | None:
     sends = [(dst, _region(x, sbox)) for src, dst, sbox, dbox, _ in transfers
              if src == rank and dst != rank]
     recvs = [(src, [b - a for a, b in dbox], x.dtype) for src, dst, sbox, dbox, _ in transfers
              if dst == rank and src != rank]
-    got = iter(exchange(gc, sends, recvs))
+    got = iter(exchange(group_cache, sends, recvs))
     if out_shape is None:
         for _ in recvs:
             next(got)
@@ -47,7 +47,7 @@ class _P2P(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, rt: Any, spec: dict) -> torch.Tensor:
         ctx.rt, ctx.spec, ctx.shape = rt, spec, tuple(x.shape)
         shapes = dict(spec["shapes"])
-        out = _run(rt.gc, x, spec["transfers"], shapes.get(rt.rank), rt.rank)
+        out = _run(rt.group_cache, x, spec["transfers"], shapes.get(rt.rank), rt.rank)
         return out if out is not None else x.new_zeros(0)
 
     @staticmethod
@@ -63,7 +63,7 @@ class _P2P(torch.autograd.Function):
                  if src == rt.rank and dst != rt.rank]
         recvs = [(src, [b - a for a, b in dbox], grad.dtype) for src, dst, sbox, dbox, _ in back
                  if dst == rt.rank and src != rt.rank]
-        got = iter(exchange(rt.gc, sends, recvs))
+        got = iter(exchange(rt.group_cache, sends, recvs))
         for src, dst, sbox, dbox, _ in back:
             if dst != rt.rank:
                 continue
@@ -76,5 +76,5 @@ def p2p(rt: Any, x: torch.Tensor, spec: dict) -> torch.Tensor:
     """Redistribute ``x`` as ``spec`` says; ranks that only send get an empty token."""
     out = _P2P.apply(x, rt, spec)
     if out.numel() == 0 and x.requires_grad:
-        rt.tokens.append(out)
+        rt.send_roots.append(out)
     return out

@@ -79,7 +79,7 @@ class _Live:
     outputs: dict[str, torch.Tensor]
     leaves: dict[str, torch.Tensor]
     """Received and handed-over inputs: leaves whose gradients go back."""
-    tokens: list[torch.Tensor] = field(default_factory=list)
+    send_roots: list[torch.Tensor] = field(default_factory=list)
     roots: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     split: SplitBackward | None = None
@@ -99,10 +99,10 @@ class StepStats:
     """Gradient buckets whose sum started before this rank's last action (overlapped with compute)."""
 
 
-def _tagged(mode: str, gc) -> bool:
+def _tagged(mode: str, group_cache) -> bool:
     """``auto``: tags on gloo (a mismatch then waits instead of swapping tensors), none on NCCL."""
     if mode == "auto":
-        return gc.world_size > 1 and dist.get_backend() != "nccl"
+        return group_cache.world_size > 1 and dist.get_backend() != "nccl"
     return mode == "tagged"
 
 
@@ -126,9 +126,9 @@ class PipelineModule(RankModule):
         self._links = links(prog)
         self._dtype = {bd.index: getattr(torch, bd.dtype.removeprefix("torch."))
                        for seg in prog.segments for bd in seg.recvs + seg.sends}
-        self.tagged = _tagged(self.config.p2p_tags, self.rt.gc)
+        self.tagged = _tagged(self.config.p2p_tags, self.rt.group_cache)
         """Messages carry tags (a check on gloo); untagged, each is sent with tag 0."""
-        self._groups = self.rt.gc.pipeline_groups()
+        self._groups = self.rt.group_cache.pipeline_groups()
         self._final = self._final_grads()
         self._final_ids = [{id(p) for p in ps} for ps in self._final]
 
@@ -221,11 +221,11 @@ class PipelineModule(RankModule):
         for name in seg.inputs:
             src = self._handed.pop((name, m, k))
             b[name] = src.detach().requires_grad_(src.requires_grad) if grad else src
-        self.rt.tokens = []
+        self.rt.send_roots = []
         with contextlib.nullcontext() if grad else torch.no_grad():
             loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
         if grad:
-            self._live[(s, m)] = _Live(loss, outputs, b, list(self.rt.tokens))
+            self._live[(s, m)] = _Live(loss, outputs, b, list(self.rt.send_roots))
         values = {bd.index: outputs[bd.local] for bd in seg.sends}
         for i, link in enumerate(self.program.recycle):
             if not grad and link.output in outputs:
@@ -247,7 +247,7 @@ class PipelineModule(RankModule):
             if live.loss is not None and live.loss.requires_grad:
                 roots.append(live.loss.float() / self.micro)
                 grads.append(torch.ones_like(roots[-1]))
-            for t in live.tokens:
+            for t in live.send_roots:
                 roots.append(t)
                 grads.append(torch.ones_like(t) if t.numel() else torch.zeros_like(t))
             got = {bd.index: torch.zeros_like(live.outputs[bd.local], memory_format=torch.contiguous_format)
@@ -312,7 +312,7 @@ class PipelineModule(RankModule):
             t = self._transfer(x)
             link = x.link - self.program.boundaries
             dtype = self._dtype[x.link] if link < 0 else self._micro[self.program.recycle[link].index][0].dtype
-            buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.gc.p2p_device)
+            buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.group_cache.p2p_device)
             start = time.perf_counter()
             dist.recv(buf, x.src, group=self._group(x), tag=self._tag(x))
             self.stats.wait_s += time.perf_counter() - start
@@ -333,9 +333,10 @@ class PipelineModule(RankModule):
             if x.dst == self.rt.rank:
                 self._got[x] = data
                 continue
-            self.rt.gc.counter.record(CommKind.P2P, Direction.BACKWARD if x.grad else Direction.FORWARD,
-                                      (self.rt.rank, x.dst), data.numel() * data.element_size())
-            data = data.to(self.rt.gc.p2p_device)
+            direction = Direction.BACKWARD if x.grad else Direction.FORWARD
+            self.rt.group_cache.counter.record(CommKind.P2P, direction, (self.rt.rank, x.dst),
+                                               data.numel() * data.element_size())
+            data = data.to(self.rt.group_cache.p2p_device)
             self._pending.append((dist.isend(data, x.dst, group=self._group(x), tag=self._tag(x)), data))
 
     def _drop_sent(self) -> None:

@@ -128,7 +128,7 @@ class UserLoop:
         local = self.forward(*batch)
         value = self._value(local)
         anchor = torch.zeros((), requires_grad=True)
-        tokens = [t for t in self.rt.tokens if t.requires_grad]
+        tokens = [t for t in self.rt.send_roots if t.requires_grad]
         if local is not None and not local.requires_grad:
             local = None
         return _Loss.apply(value, self, anchor, local, *tokens)
@@ -262,7 +262,7 @@ class UserLoop:
             variants[shapes] = (program, load_module(path, f"torchweave_rank{program.rank}_{id(self)}_"
                                                            f"{len(variants)}"))
         self.program, self.code = variants[shapes]
-        self.rt.gc.create_all(self.program.groups)
+        self.rt.group_cache.create_all(self.program.groups)
         self.example_shapes = shapes
 
     def _check_shapes(self, batch: tuple[Any, ...]) -> None:
@@ -295,13 +295,13 @@ class UserLoop:
         layout = self._layout()
         pieces = {path: t for path, (_, t) in self.state_pieces().items()}
         if full:
-            return full_state(layout, pieces, self.rt.gc.rank, self.rt.device)
-        return sharded_state(layout, pieces, self.rt.gc.rank, self.rt.device)
+            return full_state(layout, pieces, self.rt.group_cache.rank, self.rt.device)
+        return sharded_state(layout, pieces, self.rt.group_cache.rank, self.rt.device)
 
     def load_state_dict(self: "RankModule", state: dict[str, Any], strict: bool = True) -> None:
         """Load whole tensors, or the ``ShardedTensor`` entries of :meth:`state_dict`."""
         layout = self._layout()
-        fulls = load_full(layout, state, strict=strict, rank=self.rt.gc.rank, device=self.rt.device)
+        fulls = load_full(layout, state, strict=strict, rank=self.rt.group_cache.rank, device=self.rt.device)
         self.load_pieces(fulls)
 
     def _layout(self) -> StateLayout:

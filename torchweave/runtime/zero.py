@@ -115,15 +115,15 @@ class _Units:
 class ZeroOptimizer:
     """Sharded optimizer (and, at stage 3, sharded parameters) over ``group``."""
 
-    def __init__(self, gc: GroupCache, trainable: list[tuple[torch.Tensor, Any]],
+    def __init__(self, group_cache: GroupCache, trainable: list[tuple[torch.Tensor, Any]],
                  group: tuple[int, ...] | None, *, stage: int,
                  factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  order: list[str] | None = None) -> None:
         """``order``: parameter paths in the order the forward first reads them."""
-        assert group is not None and gc.rank in group
-        self.gc, self.group, self.stage = gc, tuple(group), stage
-        self.pg = gc.get(self.group)
-        self.size, self.index = len(group), list(group).index(gc.rank)
+        assert group is not None and group_cache.rank in group
+        self.group_cache, self.group, self.stage = group_cache, tuple(group), stage
+        self.pg = group_cache.get(self.group)
+        self.size, self.index = len(group), list(group).index(group_cache.rank)
         owned = [(p, slot) for p, slot in trainable if self.group in slot.grad_groups]
         if order:
             first = {path: k for k, path in enumerate(order)}
@@ -172,11 +172,11 @@ class ZeroOptimizer:
         rows = self.layout.to_rows(grads)
         nbytes = rows.numel() * rows.element_size()
         if self.stage == 1:
-            self.gc.counter.record(CommKind.ALL_REDUCE, Direction.BACKWARD, self.group, nbytes)
+            self.group_cache.counter.record(CommKind.ALL_REDUCE, Direction.BACKWARD, self.group, nbytes)
             dist.all_reduce(rows, group=self.pg)
             mine = rows[self.index].clone()
         else:
-            self.gc.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, self.group, nbytes)
+            self.group_cache.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, self.group, nbytes)
             mine = torch.empty(self.layout.total, dtype=rows.dtype, device=rows.device)
             reduce_scatter_single(mine, rows.reshape(-1).contiguous(), group=self.pg)
         for p in self.owned:
@@ -217,7 +217,7 @@ class ZeroOptimizer:
     def _gather_rows(self, chunk: torch.Tensor) -> torch.Tensor:
         """Every member's ``[C]`` row → ``[group, C]``."""
         flat = torch.empty(self.size * self.layout.total, dtype=chunk.dtype, device=chunk.device)
-        self.gc.counter.record(CommKind.ALL_GATHER, Direction.FORWARD, self.group,
+        self.group_cache.counter.record(CommKind.ALL_GATHER, Direction.FORWARD, self.group,
                                flat.numel() * flat.element_size())
         all_gather_single(flat, chunk.contiguous(), group=self.pg)
         return flat.view(self.size, self.layout.total)

@@ -91,7 +91,7 @@ class Stage3:
         z, s, c = self.z, self.L.starts[u], self.L.cols[u]
         shard = z.master.detach()[s:s + c].to(self.dtypes[u] or self.L.dtype)
         buf = torch.empty(c * z.size, dtype=shard.dtype, device=shard.device)
-        z.gc.counter.record(CommKind.ALL_GATHER, direction, z.group,
+        z.group_cache.counter.record(CommKind.ALL_GATHER, direction, z.group,
                             shard.numel() * shard.element_size())
         work = all_gather_single(buf, shard, group=z.pg, async_op=async_op)
         return work, buf, shard
@@ -210,7 +210,7 @@ class Stage3:
         self.bwd.pop(u, None)
         flat = self.L.flat(u, list(grads), device=z.master.device)
         out = torch.empty(self.L.cols[u], dtype=flat.dtype, device=flat.device)
-        z.gc.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, z.group,
+        z.group_cache.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, z.group,
                             flat.numel() * flat.element_size())
         work = reduce_scatter_single(out, flat, group=z.pg, async_op=True)
         self.pending.append((u, out, flat, work))
