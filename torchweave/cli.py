@@ -1,16 +1,17 @@
-"""The ``torchweave`` command."""
+"""The ``torchweave`` command: the argument parser and the dispatch, nothing else.
+
+Each subcommand's body is ``torchweave.commands.<name>``, imported when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
 from rich.console import Console
 from rich.markup import escape
 
-from torchweave.errors import Problem, TorchweaveError
+from torchweave.errors import TorchweaveError
 
 
 GANTT_HELP = ("write the Gantt chart here (default: MODEL-PLAN.gantt.png in the current directory "
@@ -18,143 +19,6 @@ GANTT_HELP = ("write the Gantt chart here (default: MODEL-PLAN.gantt.png in the 
 PLAN_HELP = ("a plan string, POLICY[:KEY=VALUE,...] (dp, zero3:recompute=full, tp:tp=4,zero=1, "
              "1f1b:tp=2,dp=2,micro=8, interleaved:pp=4,virtual=2,recompute=selective), auto "
              "(auto:preset=megatron: searched), or a plan.json")
-
-
-def _inspect(args: argparse.Namespace, console: Console) -> int:
-    import resource
-
-    import torchweave
-    from torchweave.factory import load
-    from torchweave.graphfile import is_graph_file, load_graph, save_graph
-    from torchweave.summary import render
-
-    if args.save_graph and not is_graph_file(args.save_graph):
-        raise TorchweaveError(Problem(obj="--save-graph", value=args.save_graph,
-                                      rule="a graph file's name ends in .graph.json (that is how "
-                                           "plan, simulate and explain tell it from a model)",
-                                      fix=f"--save-graph {args.save_graph.removesuffix('.json')}"
-                                          ".graph.json"))
-    t0 = time.perf_counter()
-    if is_graph_file(args.model):
-        graph = load_graph(args.model)
-    else:
-        loaded = load(args.model, meta=args.meta)
-        graph = torchweave.capture(loaded.model, loaded.args, loaded.kwargs, name=loaded.name)
-    took = time.perf_counter() - t0
-    if args.coverage:
-        return _coverage(graph, args.world_size, console)
-    summary = torchweave.summarize(graph)
-    render(summary, console, ops=not args.totals)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    console.print(f"captured in {took:.2f} s, peak RSS {rss:.2f} GiB")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary.to_dict(), f, indent=1)
-        console.print(f"wrote {args.json}")
-    if args.save_graph:
-        save_graph(graph, args.save_graph)
-        console.print(f"wrote {args.save_graph}: plan, simulate and explain take it as MODEL")
-    return 0
-
-
-def _coverage(graph, world_size: int, console: Console) -> int:
-    from rich.table import Table
-    from rich.text import Text
-
-    from torchweave.coverage import POLICIES, coverage
-
-    rows = coverage(graph, world_size)
-    costly = [r for r in rows if not r.annotated or any(
-        c.flops_repeated or c.bytes_gathered for c in r.costs.values())]
-    table = Table(title=Text(f"{graph.model_name}: ops that run whole on several devices under "
-                             f"{', '.join(POLICIES)} at {world_size} ranks (nodes: FLOPs repeated, "
-                             "bytes gathered)"), title_justify="left")
-    for col in ("op", "annotated", "nodes", "example", *POLICIES):
-        table.add_column(col, overflow="fold")
-    for r in costly:
-        cells = []
-        for name in POLICIES:
-            c = r.costs.get(name)
-            cells.append("-" if c is None else
-                         f"{c.nodes}: {_si(c.flops_repeated)}FLOP, {_si(c.bytes_gathered)}B")
-        table.add_row(*map(Text, (r.op, "yes" if r.annotated else "NO", str(r.nodes), r.example,
-                                  *cells)))
-    console.print(table)
-    free = len(rows) - len(costly)
-    console.print(
-        (f"{free} more op kinds run replicated at no cost (index and shape ops). " if free else "")
-        + "FLOPs repeated: the work beyond one copy, over all devices, per forward; bytes "
-        "gathered: split inputs made whole on each device. An op without an annotation can only "
-        "run whole: torchweave.register_annotation gives it one (docs/coverage.md lists the "
-        "annotated ops).", highlight=False, markup=False)
-    return 0
-
-
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} "
-
-
-def _verify(args: argparse.Namespace, console: Console) -> int:
-    from torchweave.factory import load
-    from torchweave.runtime.executor import StepConfig
-    from torchweave.runtime.launch import LaunchConfig
-    from torchweave.verify import verify
-
-    loaded = load(args.model)
-    report = verify(loaded.model, loaded.args, plan=args.plan, world_size=args.world_size,
-                    steps=args.steps, tolerance=args.tolerance, dtype=args.dtype,
-                    config=StepConfig(grad_accum=args.grad_accum, p2p_tags=args.p2p_tags),
-                    launch=LaunchConfig(world_size=args.world_size, timeout_s=args.timeout),
-                    code_dir=args.code)
-    console.print(str(report), highlight=False, markup=False)
-    if args.code:
-        console.print(f"generated code: {args.code}/case0/rank*.py")
-    return 0 if report.ok else 1
-
-
-def _plan(args: argparse.Namespace, console: Console) -> int:
-    from torchweave.commands.sim import _capture
-    from torchweave.lower.lower import lower
-    from torchweave.codegen.render import write
-    from torchweave.plan.show import plan_table, replication_note
-    from torchweave.plan.validate import validate
-    from torchweave.search import is_auto, resolve
-
-    graph = _capture(args.model, args.meta)  # a saved graph file, or the model captured
-    cluster = None
-    if args.cluster:
-        from torchweave.commands.sim import load_cluster
-
-        cluster = load_cluster(args.cluster)
-    world = args.world_size or (cluster.size if cluster else 2)
-    if is_auto(args.plan) or args.constraints or args.preset or args.clusters:
-        from torchweave.commands.search import run_search
-
-        return run_search(args, console, graph, cluster, world)
-    plan = resolve(args.plan, graph, world, cluster=cluster)
-    validate(plan, graph, world_size=world)
-    console.print(plan_table(plan, graph, limit=None if args.all else 40))
-    if not args.all and len(graph.nodes) > 40:
-        console.print(f"... {len(graph.nodes) - 40} more nodes (--all shows every node)")
-    note = replication_note(plan, graph)
-    if note:
-        console.print(note, highlight=False, markup=False)
-    if plan.notes.get("experts"):  # expert parallelism: what it split (policies/expert.py)
-        console.print(f"experts: {plan.notes['experts']}", highlight=False, markup=False)
-    if plan.notes.get("coshard"):  # each device runs these chains in chunks (policies/coshard.py)
-        console.print(f"co-shard: {plan.notes['coshard']} (chunks per device, each recomputed in "
-                      "backward)", highlight=False, markup=False)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(plan.to_json())
-        console.print(f"wrote {args.out}")
-    if args.code:
-        paths = write(lower(graph, plan), args.code)
-        console.print(f"wrote {len(paths)} programs: {args.code}/rank0.py ...")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--save-graph", metavar="PATH.graph.json",
                      help="write the captured graph (no weights) for plan, simulate and explain "
                           "to take as MODEL: a large model captured once")
-    ins.set_defaults(run=_inspect)
+    ins.set_defaults(run=_lazy("inspect", "inspect_cmd"))
     pl = sub.add_parser("plan", help="build a plan with a policy; show it, save it as JSON, "
                         "write each rank's generated code")
     pl.add_argument("model", metavar="MODEL", help="a bundled name, path/to/file.py:factory, or a saved graph (*.graph.json)")
@@ -204,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--code", metavar="DIR", help="write rank{r}.py for every rank")
     pl.add_argument("--meta", action="store_true", help="build the model on the meta device")
     pl.add_argument("--all", action="store_true", help="show every node")
-    pl.set_defaults(run=_plan)
+    pl.set_defaults(run=_lazy("plan", "plan_cmd"))
     ver = sub.add_parser("verify", help="run a plan on N local processes beside one device and "
                          "compare loss, every gradient and the parameters after k steps")
     ver.add_argument("model", metavar="MODEL")
@@ -223,11 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(untagged on NCCL, tagged on gloo)")
     ver.add_argument("--timeout", type=float, default=60.0, help="collective time-out, seconds")
     ver.add_argument("--code", metavar="DIR", help="keep the generated per-rank code here")
-    ver.set_defaults(run=_verify)
+    ver.set_defaults(run=_lazy("plan", "verify_cmd"))
     _add_sim_commands(sub)
     _add_train_commands(sub)
     models = sub.add_parser("models", help="list the bundled models")
-    models.set_defaults(run=_models)
+    models.set_defaults(run=_lazy("inspect", "models_cmd"))
     for name, cmd in sub.choices.items():
         if "model" in {a.dest for a in cmd._actions}:  # every command that captures a model
             cmd.add_argument("--batch-local", metavar="OP", action="append", default=[],
@@ -237,8 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_sim_commands(sub) -> None:
-    from torchweave import commands
-
     cluster_help = "a cluster string (8xA100-80GB-SXM, 16xH100-80GB-SXM@8) or a cluster YAML path"
     sim = sub.add_parser("simulate", help="predict one training step of a plan on a cluster: step "
                          "time, bubble, memory per device, MFU, tokens/s, $ per million tokens")
@@ -263,7 +125,7 @@ def _add_sim_commands(sub) -> None:
     sim.add_argument("--profile", action="store_true",
                      help="time the plan's ops on this machine (cached in ~/.cache/torchweave) and "
                      "use them instead of the roofline")
-    sim.set_defaults(run=commands.simulate_cmd)
+    sim.set_defaults(run=_lazy("sim", "simulate_cmd"))
     exp = sub.add_parser("explain", help="per op: partition, devices, communication, time and "
                          "memory of a plan; top costs; --vs compares with another plan")
     exp.add_argument("plan", metavar="PLAN", help="plan.json or a policy name")
@@ -277,13 +139,13 @@ def _add_sim_commands(sub) -> None:
     exp.add_argument("--all", action="store_true", help="show every op")
     exp.add_argument("--gantt", metavar="OUT_PNG", help=GANTT_HELP)
     exp.add_argument("--no-gantt", action="store_true", help="write no Gantt chart")
-    exp.set_defaults(run=commands.explain_cmd)
+    exp.set_defaults(run=_lazy("explain", "explain_cmd"))
     cal = sub.add_parser("calibrate", help="measure this machine (matmul, copy, gloo collectives) "
                          "and save a cluster YAML that --cluster accepts")
     cal.add_argument("--world-sizes", type=int, nargs="+", default=[2], metavar="N")
     cal.add_argument("--out", default="cpu.yaml", metavar="YAML", help="default: cpu.yaml")
     cal.add_argument("--quick", action="store_true", help="one message size, 2 ranks (tests)")
-    cal.set_defaults(run=commands.calibrate_cmd)
+    cal.set_defaults(run=_lazy("calibrate", "calibrate_cmd"))
 
 
 def _add_train_commands(sub) -> None:
@@ -295,33 +157,25 @@ def _add_train_commands(sub) -> None:
         "checkpoint in the run's checkpoint folder.")
     tr.add_argument("config", nargs="?", metavar="CONFIG_YAML",
                     help="the config (default: all defaults)")
-    tr.set_defaults(run=_train, overrides=True)
+    tr.set_defaults(run=_lazy("train", "train_run"), overrides=True)
     demo = sub.add_parser(
         "demo", help="train a small GPT on the bundled text with 4 CPU ranks (about 2 minutes)",
         description="The demo config (a character-level GPT, plan chosen by the simulator, "
         "4 ranks), with --section.field=value overrides (e.g. --steps=100).")
-    demo.set_defaults(run=_demo, overrides=True)
+    demo.set_defaults(run=_lazy("train", "demo_run"), overrides=True)
 
 
-def _train(args: argparse.Namespace, console: Console) -> int:
-    from torchweave.commands.train import train_cmd
+def _lazy(module: str, name: str):
+    """A command's ``run``: imported from ``torchweave.commands.<module>`` when it runs, so
+    that ``torchweave --help`` imports no model code."""
 
-    return train_cmd(args.config, args.extra, console)
+    def run(args: argparse.Namespace, console: Console) -> int:
+        import importlib
 
+        return getattr(importlib.import_module(f"torchweave.commands.{module}"), name)(args, console)
 
-def _demo(args: argparse.Namespace, console: Console) -> int:
-    from torchweave.commands.train import demo_cmd
-
-    return demo_cmd(args.extra, console)
-
-
-def _models(args: argparse.Namespace, console: Console) -> int:
-    from torchweave.models import FACTORIES
-
-    for name, fn in FACTORIES.items():
-        doc = (fn.__doc__ or "").strip().splitlines()
-        console.print(f"{name:16s} {doc[0] if doc else ''}")
-    return 0
+    run.__name__ = name
+    return run
 
 
 def plain_console() -> Console:

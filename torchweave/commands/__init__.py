@@ -1,4 +1,5 @@
-"""Bodies of the cost-model subcommands of ``torchweave``: simulate, explain, calibrate.
+"""Bodies of the ``torchweave`` subcommands, one module each: inspect (and models), plan (and
+verify), sim (simulate), explain, calibrate, search (plan's search), train (and demo).
 
 :mod:`torchweave.cli` parses the arguments and calls these; each takes the
 parsed ``argparse.Namespace`` and a rich ``Console`` and returns the exit

@@ -209,4 +209,15 @@ def demo_cmd(overrides: list[str], console: Console) -> int:
     return 0
 
 
+
+def train_run(args, console: Console) -> int:
+    """``torchweave train CONFIG [--section.field=value ...]``."""
+    return train_cmd(args.config, args.extra, console)
+
+
+def demo_run(args, console: Console) -> int:
+    """``torchweave demo [--section.field=value ...]``."""
+    return demo_cmd(args.extra, console)
+
+
 __all__ = ["DEMO", "choose", "demo_cmd", "run", "summary", "train_cmd"]
