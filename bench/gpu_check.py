@@ -174,6 +174,8 @@ def _start_unit_tests(smoke: bool, budget: float) -> _Unit:
     cmd = [sys.executable, "-m", "pytest", target, *workers, "-q", "-rfE", "-p", "no:cacheprovider",
            "--tb=line"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if workers:  # 8 workers beside the launching sections: 2 threads each, not all the cores
+        env["OMP_NUM_THREADS"] = "2"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -196,7 +198,7 @@ def _finish_unit_tests(unit: _Unit) -> Outcome:
     counts = _pytest_counts(text)
     summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no test results"
     lines = [f"- {unit.what}: {summary}"]
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", text, re.M)
     lines += [f"  - failed: `{t}`" for t in failed[:25]]
     tail = [x for x in text.strip().splitlines()[-3:] if x.strip()]
     lines += ["- last lines:", "```", *tail, "```"]
@@ -209,14 +211,24 @@ def _finish_unit_tests(unit: _Unit) -> Outcome:
     return Outcome("unit-tests", status, time.monotonic() - unit.started, lines)
 
 
+_PROGRESS = {".": "passed", "F": "failed", "E": "error", "s": "skipped", "x": "xfailed",
+             "X": "xpassed"}
+
+
 def _pytest_counts(text: str) -> dict[str, int]:
-    """Counts from pytest's last summary line ("3 failed, 812 passed, 2 skipped in 9.1s")."""
-    counts = dict.fromkeys(("passed", "failed", "error", "skipped", "xfailed"), 0)
+    """Counts from pytest's last summary line ("3 failed, 812 passed, 2 skipped in 9.1s"); a
+    run killed at its budget has none, so its progress lines (``..F.s``) are counted."""
+    counts = dict.fromkeys(("passed", "failed", "error", "skipped", "xfailed", "xpassed"), 0)
     summaries = re.findall(r"^=*\s*(\d+ \w+.*) in [\d.]+s", text, re.M)
-    for n, kind in re.findall(r"(\d+) (\w+)", summaries[-1] if summaries else ""):
-        key = {"errors": "error"}.get(kind, kind)
-        if key in counts:
-            counts[key] = int(n)
+    if summaries:
+        for n, kind in re.findall(r"(\d+) (\w+)", summaries[-1]):
+            key = {"errors": "error"}.get(kind, kind)
+            if key in counts:
+                counts[key] = int(n)
+        return counts
+    for line in re.findall(r"^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$", text, re.M):
+        for ch in line:
+            counts[_PROGRESS[ch]] += 1
     return counts
 
 

@@ -50,7 +50,10 @@ def _verify(ctx: Ctx, cases, *, world_size: int, launch, tolerance: float,
                                    tolerance=tolerance)
         except Exception as exc:  # noqa: BLE001 - the launch failed: one launch per case
             # a failed rank's own error is its traceback's last line, not the header
-            lines = [x for x in (getattr(exc, "traceback", None) or "").splitlines() if x.strip()]
+            # a failed rank's own error: its traceback's last unindented line (a torchweave
+            # error's problem lines are indented below it)
+            lines = [x for x in (getattr(exc, "traceback", None) or "").splitlines()
+                     if x.strip() and not x[0].isspace()]
             first = (lines[-1] if lines else (str(exc).strip().splitlines() or [""])[0])[:200]
             if len(group) == 1:
                 bad.append(f"{group[0][0].name}: launch failed: {type(exc).__name__}: {first}")

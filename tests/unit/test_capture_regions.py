@@ -94,3 +94,54 @@ def test_a_disabled_autocast_nested_in_no_grad_is_inlined_and_stops_the_gradient
     model(x).backward()
     torch.testing.assert_close(state["a.weight"].grad, model.a.weight.grad)
     assert state["b.weight"].grad is None and model.b.weight.grad is None
+
+
+class ClampsInPlace(nn.Module):
+    """Weight clipping and an activation clamp inside no_grad, written in place."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            if self.what == "activation":
+                h.clamp_(-0.2, 0.2)
+            else:
+                self.a.weight.clamp_(-0.1, 0.1)
+        return (self.b(h) ** 2).mean()
+
+
+@pytest.mark.parametrize("what", ["activation", "parameter"])
+def test_an_in_place_change_inside_no_grad_is_refused_not_captured_wrong(what: str) -> None:
+    # eager keeps the clamped tensor's gradient history (and the parameter's new value);
+    # a captured graph would detach it, so capture refuses with the way out
+    with pytest.raises(CaptureError) as info:
+        torchweave.capture(ClampsInPlace(what), (torch.randn(4, 8),))
+    msg = str(info.value)
+    assert "in place" in msg and ("optimizer" in msg or "new tensor" in msg), msg
+
+
+class ReturnsRegionResult(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor):
+        with torch.no_grad():
+            y = self.a(x)
+        return (self.b(x) * y.sin()).mean(), y
+
+
+def test_the_exported_programs_signature_follows_the_inlined_outputs() -> None:
+    from torchweave.capture.regions import inline_regions
+
+    ep = torch.export.export(ReturnsRegionResult(), (torch.randn(4, 8),), strict=False)
+    assert inline_regions(ep) == 1
+    ep.validate()  # the signature names the nodes that now produce the outputs
+    graph = torchweave.capture(ReturnsRegionResult(), (torch.randn(4, 8),))
+    assert len(graph.outputs) == 2

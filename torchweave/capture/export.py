@@ -235,6 +235,12 @@ def _convert(
     outputs: list[str] = []
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     out_specs = ep.graph_signature.output_specs
+    changed = [s.target for s in out_specs if s.kind == OutputKind.PARAMETER_MUTATION]
+    if changed:
+        raise CaptureError(Problem(
+            obj="forward", value=f"changes parameter(s) {', '.join(map(str, changed))} in place",
+            rule="forward reads parameters; the optimizer changes them",
+            fix="move the change out of forward (after optimizer.step(), or in a hook)"))
     for spec, arg in zip(out_specs, pytree.tree_leaves(out_node.args)):
         if spec.kind == OutputKind.USER_OUTPUT and isinstance(arg, torch.fx.Node):
             outputs.append(alias[arg.name])

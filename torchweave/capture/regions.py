@@ -29,11 +29,23 @@ _AUTOCAST = "wrap_with_autocast"
 
 
 def inline_regions(ep: torch.export.ExportedProgram) -> int:
-    """Inline every grad-mode and disabled-autocast region of ``ep`` in place; return how many."""
-    return _inline_all(ep.graph_module)
+    """Inline every grad-mode and disabled-autocast region of ``ep`` in place; return how many.
+    The program's signature follows: a user output that was a region's result is renamed."""
+    return _inline_all(ep.graph_module, ep.graph_signature)
 
 
-def _inline_all(gm: torch.fx.GraphModule) -> int:
+def _rename_outputs(gm: torch.fx.GraphModule, signature) -> None:
+    """Point each output spec at the node now in its place (the region's getitem is gone)."""
+    if signature is None:
+        return
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    for spec, node in zip(signature.output_specs, leaves):
+        if isinstance(node, torch.fx.Node) and hasattr(spec.arg, "name") and spec.arg.name != node.name:
+            spec.arg = type(spec.arg)(name=node.name)
+
+
+def _inline_all(gm: torch.fx.GraphModule, signature=None) -> int:
     """Regions of ``gm``, nested ones first (transformers' rotary embedding on CUDA is a
     disabled autocast inside a no_grad method)."""
     graph = gm.graph
@@ -57,15 +69,46 @@ def _inline_all(gm: torch.fx.GraphModule) -> int:
             continue
         body = getattr(gm, sub.target)
         count += _inline_all(body)
+        if kind == _GRAD and not enabled:
+            _refuse_input_mutation(node, body)
         _inline(graph, node, body, args, detach=(kind == _GRAD and not enabled))
         if not sub.users:
             graph.erase_node(sub)
         count += 1
     if count:
+        _rename_outputs(gm, signature)
         gm.delete_all_unused_submodules()
         graph.lint()
         gm.recompile()
     return count
+
+
+def _mutated_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The region input an in-place op (or a chain of them) writes to, if any."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+        if alias is None or not alias.is_write or not node.args:
+            return None
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) and node.op == "placeholder" else None
+
+
+def _refuse_input_mutation(call: torch.fx.Node, sub: torch.fx.GraphModule) -> None:
+    """An in-place change of a tensor from outside a no-grad region (``w.clamp_()`` on a
+    parameter, ``h.mul_()`` on an activation) keeps that tensor's gradient history in eager
+    mode; inlined, its result would be detached and a parameter's change lost. Refused."""
+    for n in sub.graph.nodes:
+        if n.op == "call_function" and _mutated_input(n) is not None:
+            loc = location_from_stack_trace(n.meta.get("stack_trace")) or _location(call, sub)
+            raise CaptureError(Problem(
+                obj=str(loc or call.name), value=f"{n.target} inside torch.no_grad() changes "
+                f"{_mutated_input(n).name} in place",
+                rule="a no-grad block in forward may compute new tensors, not change tensors "
+                     "from outside it in place (their gradients and a parameter's new value "
+                     "would be lost in the captured graph)",
+                fix="compute a new tensor (h = h.clamp(...)) or change parameters outside "
+                    "forward (after optimizer.step(), or in a hook)"))
 
 
 def _location(call: torch.fx.Node, sub: torch.fx.GraphModule):
@@ -107,6 +150,9 @@ def _inline(graph: torch.fx.Graph, call: torch.fx.Node, sub: torch.fx.GraphModul
         if user.op == "call_function" and user.target is operator.getitem:
             user.replace_all_uses_with(outs[user.args[1]])
             graph.erase_node(user)
-    if call.users:  # used whole (a single result)
+    if call.users:  # used whole: only a region with one result is
+        if len(outs) != 1:
+            raise CaptureError(Problem(obj=call.name, value=f"{len(outs)} results used whole",
+                                       rule="a region's results are read one by one"))
         call.replace_all_uses_with(outs[0])
     graph.erase_node(call)
