@@ -206,17 +206,6 @@ def _parallelize(ctx, model, inputs, plan: str, code_dir: str | None):
     return module, time.perf_counter() - t0
 
 
-def tw_memory(module) -> int:
-    tensors: list[Any] = []
-    for p in module.params.values():
-        tensors += [p, p.grad]
-    if module.opt is not None:
-        tensors += [module.opt.master, module.opt.master.grad]
-        tensors += optimizer_state(module.opt.inner)
-    tensors += optimizer_state(module.optimizer)
-    return held_bytes(tensors)
-
-
 def tw_side(ctx, model, batch, plan: str, code_dir: str | None, *, memory: bool) -> Side:
     total = 4 * n_params(model) * 4
     module, compile_s = _parallelize(ctx, model, batch, plan, code_dir)
@@ -226,7 +215,7 @@ def tw_side(ctx, model, batch, plan: str, code_dir: str | None, *, memory: bool)
         # gradients and optimizer state all present); it also counts the collectives.
         with module.rt.group_cache.counter.window() as calls:
             module.backward_step(*batch)
-            mem = tw_memory(module)
+            mem = module.memory()  # pieces, gradients, ZeRO's shard, optimizer state
             module.optimizer_step()
         out = {"compile_s": compile_s, "collectives": sum(calls.counts().values())}
         if memory:

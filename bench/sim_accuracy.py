@@ -13,7 +13,7 @@
 
    - *model state*: parameters, gradients and optimizer state held after
      backward (``module.params``, ZeRO's flat master and its gradient, AdamW
-     state) — what ``tw_memory`` in bench/parallel.py counts;
+     state) — what ``RankModule.memory()`` counts;
    - *activations*: the most bytes of storages saved for backward alive at
      once during one step (a ``saved_tensors_hooks`` pack hook that holds each
      saved tensor in an object dying with it; parameters excluded); for plain
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from parallel import GPT_BATCH, GPT_KW, OPTIMIZER, make_gpt, tw_memory  # noqa: E402
+from parallel import GPT_BATCH, GPT_KW, OPTIMIZER, make_gpt  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results-sim-accuracy.md")
 PLANS = ["dp", "zero1", "zero2", "zero3", "tp", "sp", "gpipe", "1f1b"]
@@ -163,7 +163,7 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int, profile) -> dict[str,
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
             module.backward_step(*batch)
         seen = {0: peak[0]}
-    state = tw_memory(module)
+    state = module.memory()
     module.optimizer_step()
     return {"s": statistics.median(times), "state": state, "act": sum(seen.values())}
 
