@@ -3,9 +3,9 @@
     python bench/gpu_check.py --out bench/gpu-report.md          # about 8 min on one GPU
     python bench/gpu_check.py --cpu-smoke --out /tmp/report.md   # under a minute, no GPU
 
-Sections (bench/gpu_sections.py) each run in their own process under their own
-time budget, so a failure, a hang or a crash in one is recorded in the report
-(with the error's first lines) and the next one runs:
+Sections (bench/gpu_sections.py, gpu_runs.py, gpu_eager.py) each run in their
+own process under their own time budget, so a failure, a hang or a crash in one
+is recorded in the report (with the error's first lines) and the next one runs:
 
 - ``env``: torch, CUDA, NCCL, the device, the packages torchweave needs;
 - ``unit-tests``: ``pytest tests/unit`` as a subprocess (pass/fail counts),
@@ -17,7 +17,11 @@ time budget, so a failure, a hang or a crash in one is recorded in the report
   ranks share the GPU);
 - ``bf16``: bf16 training against the bf16 one-device reference and fp32;
 - ``sim``: op profiles on the GPU; the simulator's predicted step time for a
-  GPT-2-small-sized model against the measured one.
+  GPT-2-small-sized model against the measured one;
+- ``eager``: a GPT trained at world size 1 by eager PyTorch and by
+  ``parallelize(plan="dp")``, in the section's own process: median step times and
+  their ratio, the loss difference, peak memory, and each side's top ops under
+  torch.profiler (bench/gpu_eager.py).
 
 Without CUDA (or with ``--cpu-smoke``) the CUDA sections say "skipped: no CUDA"
 and CPU stand-ins of the cheap ones run instead, so this script is exercised by
@@ -50,10 +54,13 @@ SECTIONS = [  # smoke budgets leave room for a loaded 2-core machine (about 5 s 
     ("env", 30, 30, True),
     ("tensors", 75, 60, True),
     ("nccl-policies", 150, 60, True),
-    ("gloo-cuda", 100, 0, False),
+    ("gloo-cuda", 160, 0, False),  # seven launches of about 20 s each (100 s ran five)
     ("bf16", 75, 40, True),
     ("sim", 60, 60, True),
+    ("eager", 60, 40, True),  # world size 1 in its own process, no spawned rank: 8 s in the smoke
 ]
+TIMED = {"sim", "eager"}
+"""Sections that time steps: the unit tests end before the first of them starts."""
 UNIT_BUDGET = {False: 300, True: 60}
 """Seconds for ``pytest tests/unit`` (GPU run) or its stand-in (CPU smoke)."""
 
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, gpu_s, smoke_s, stand_in in SECTIONS:
             if only is not None and name not in only:
                 continue
-            if name == "sim" and unit is not None:  # nothing else runs while it times steps
+            if name in TIMED and unit is not None:  # nothing else runs while steps are timed
                 outcomes.append(_finish_unit_tests(unit))
                 unit = None
             budget = min(smoke_s if smoke else gpu_s, deadline - time.monotonic() - 5)

@@ -252,11 +252,13 @@ def _split_checks(ctx: Ctx, dev: torch.device) -> None:
 
 
 def sections() -> dict[str, Callable[[Ctx], None]]:
-    """Section name → function (those that launch ranks or time steps: bench/gpu_runs.py)."""
+    """Section name → function (those that launch ranks or time steps: bench/gpu_runs.py;
+    eager PyTorch against torchweave: bench/gpu_eager.py)."""
+    from gpu_eager import eager
     from gpu_runs import bf16, gloo_cuda, nccl_policies, sim
 
     return {"env": env, "tensors": tensors, "nccl-policies": nccl_policies,
-            "gloo-cuda": gloo_cuda, "bf16": bf16, "sim": sim}
+            "gloo-cuda": gloo_cuda, "bf16": bf16, "sim": sim, "eager": eager}
 
 
 __all__ = ["Ctx", "run_section", "sections"]

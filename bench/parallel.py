@@ -1,11 +1,13 @@
 """Training-step speed: torchweave's parallel plans beside PyTorch's own parallel APIs.
 
-Three pairs, each at world sizes 2 and 4 on gloo, one torch thread per rank on
+Four pairs, each at world sizes 2 and 4 on gloo, one torch thread per rank on
 both sides so they compare like with like:
 
 - ``dp``    vs ``DistributedDataParallel``  on a GPT (d=256, 4 layers, vocab 4096, batch 8 x 128);
 - ``zero3`` vs FSDP2 ``fully_shard`` (each block, then the root) on the same GPT,
   with the bytes each rank holds for parameters + gradients + AdamW state;
+- ``zero2`` vs FSDP2 with ``reshard_after_forward=False`` (parameters stay gathered from
+  forward to backward), same GPT, same bytes counted;
 - ``tp``    vs DTensor ``parallelize_module`` (Colwise/Rowwise) on an MLP stack
   (4 x [Linear(512, 2048) -> GELU -> Linear(2048, 512)] with residuals, input [32, 512]).
 
@@ -38,7 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from mlp import ResidualMLP  # bench/mlp.py (the script's folder is on sys.path)
+from held import held_bytes, optimizer_state  # bench/held.py (the script's folder is on sys.path)
+from mlp import ResidualMLP  # bench/mlp.py
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results-parallel.md")
 
@@ -76,31 +79,6 @@ def n_params(model: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def local(t: Any) -> Any:
-    """A DTensor's local shard; anything else as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def held_bytes(tensors: list[Any]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard)."""
-    storages: dict[int, int] = {}
-    for t in tensors:
-        t = local(t)
-        if not isinstance(t, torch.Tensor):
-            continue
-        s = t.untyped_storage()
-        storages[s.data_ptr() or id(s)] = s.nbytes()
-    return sum(storages.values())
-
-
-def optimizer_state(opt: torch.optim.Optimizer | None) -> list[Any]:
-    if opt is None:
-        return []
-    return [v for st in opt.state.values() for v in st.values()]
 
 
 def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -147,7 +125,7 @@ def torch_ddp(ctx, code_dir: str | None) -> Side:
     return Side(lambda: _train(ddp, opt, idx, tgt), local_loss=True)
 
 
-def torch_fsdp2(ctx, code_dir: str | None) -> Side:
+def torch_fsdp2(ctx, code_dir: str | None, reshard: bool | None = None) -> Side:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -155,9 +133,9 @@ def torch_fsdp2(ctx, code_dir: str | None) -> Side:
     total = 4 * n_params(model) * 4
     idx, tgt = shard(idx, ctx.rank, ctx.world_size), shard(tgt, ctx.rank, ctx.world_size)
     mesh = init_device_mesh("cpu", (ctx.world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for block in model.blocks:  # reshard=None: FSDP2's default; False: the zero2 peer
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = OPTIMIZER(list(model.parameters()))
 
     def finish() -> dict[str, Any]:
@@ -171,6 +149,10 @@ def torch_fsdp2(ctx, code_dir: str | None) -> Side:
         return {"mem": mem, "total": total}
 
     return Side(lambda: _train(model, opt, idx, tgt), finish, local_loss=True)
+
+
+def torch_fsdp2_keep(ctx, code_dir: str | None) -> Side:
+    return torch_fsdp2(ctx, code_dir, reshard=False)
 
 
 def torch_tp(ctx, code_dir: str | None) -> Side:
@@ -233,6 +215,10 @@ def tw_zero3(ctx, code_dir: str | None) -> Side:
     return tw_side(ctx, *make_gpt(), "zero3", code_dir, memory=True)
 
 
+def tw_zero2(ctx, code_dir: str | None) -> Side:
+    return tw_side(ctx, *make_gpt(), "zero2", code_dir, memory=True)
+
+
 def tw_tp(ctx, code_dir: str | None) -> Side:
     return tw_side(ctx, *make_mlp(), "tp", code_dir, memory=False)
 
@@ -243,6 +229,8 @@ BENCHES: dict[str, tuple[str, str, Callable, Callable]] = {
     # name: (table label, what, torchweave side, PyTorch side)
     "dp": ("dp vs DDP", "GPT d=256 L=4 V=4096, batch 8x128", tw_dp, torch_ddp),
     "zero3": ("zero3 vs FSDP2", "same GPT", tw_zero3, torch_fsdp2),
+    "zero2": ("zero2 vs FSDP2 (reshard_after_forward=False)", "same GPT", tw_zero2,
+              torch_fsdp2_keep),
     "tp": ("tp vs DTensor TP", "MLP 4x(512->2048->512), x [32, 512]", tw_tp, torch_tp),
 }
 
@@ -328,7 +316,7 @@ def notes(bench: str, tw: dict[str, Any], pt: dict[str, Any], world: int) -> str
         parts.append(f"parallelize {tw['compile_s']:.1f} s")
     if "collectives" in tw:
         parts.append(f"torchweave collectives/step {tw['collectives']}")
-    if bench == "zero3":
+    if bench in ("zero3", "zero2"):
         total = tw.get("total") or pt.get("total")
         mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
         if total:

@@ -90,6 +90,7 @@ class _Held:
 def torch_side(ctx, schedule: str, micro: int):
     from torch.distributed.pipelining import (
         PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
     )
 
     p, v = ctx.world_size, 2 if schedule == "interleaved" else 1
@@ -103,6 +104,8 @@ def torch_side(ctx, schedule: str, micro: int):
     loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
     if schedule == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn)
+    elif schedule == "zb":  # ZB1P on one stage per rank: ZB-H1 (only with zb_peer, below)
+        sched = ScheduleInterleavedZeroBubble(stages, micro, loss_fn=loss_fn)
     elif schedule == "gpipe":
         sched = ScheduleGPipe(stages[0], micro, loss_fn=loss_fn)
     else:
@@ -141,9 +144,13 @@ def tw_side(ctx, schedule: str, micro: int):
 # --------------------------------------------------------------------------- one launch
 
 
-def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[str, Any]:
+def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int,
+              zb_peer: bool = False) -> dict[str, Any]:
+    """``zb_peer``: race zb against ``ScheduleInterleavedZeroBubble`` on one stage per rank
+    (bench/peers.py does; this script's own table keeps zb on torchweave alone)."""
     sides, out = {}, {}
-    peers = [("torch", torch_side)] if schedule in PEERS else []  # zb: torchweave alone
+    with_peer = schedule in PEERS or (zb_peer and schedule == "zb")
+    peers = [("torch", torch_side)] if with_peer else []  # zb: torchweave alone
     for name, setup in peers + [("tw", tw_side)]:
         try:
             sides[name] = setup(ctx, schedule, micro)
@@ -216,9 +223,21 @@ def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> 
     return [row]
 
 
-def main() -> None:
+def measure(schedule: str, p: int, micro: int, warmup: int, steps: int,
+            zb_peer: bool = False) -> list[dict[str, Any]]:
+    """One launch on ``p`` ranks: each rank's ``rank_main`` result (tracebacks printed)."""
     from torchweave.runtime.launch import LaunchConfig, spawn
 
+    cfg = LaunchConfig(world_size=p, threads_per_rank=1, timeout_s=120.0)
+    results = spawn(rank_main, cfg, schedule, micro, warmup, steps, zb_peer)
+    for r in results:
+        for side in r.values():
+            if "traceback" in side:
+                print(side["traceback"])
+    return results
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb"])
@@ -232,12 +251,7 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in args.world_sizes:
         for schedule in args.schedules:
-            cfg = LaunchConfig(world_size=p, threads_per_rank=1, timeout_s=120.0)
-            results = spawn(rank_main, cfg, schedule, args.micro, args.warmup, args.steps)
-            for r in results:
-                for side in r.values():
-                    if "traceback" in side:
-                        print(side["traceback"])
+            results = measure(schedule, p, args.micro, args.warmup, args.steps)
             rows += report(schedule, p, args.micro, results)
             print(rows[-1], flush=True)
     print("\n".join(rows))

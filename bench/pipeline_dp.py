@@ -42,31 +42,31 @@ from pipeline import BLOCKS, OPTIMIZER, make  # bench/pipeline.py
 PP, DP = 2, 2
 
 
-def _stages(position: int, v: int) -> list[int]:
-    return [s for s in range(PP * v) if s % PP == position]
+def _stages(position: int, v: int, pp: int = PP) -> list[int]:
+    return [s for s in range(pp * v) if s % pp == position]
 
 
-def torch_side(ctx, schedule: str, micro: int):
+def torch_side(ctx, schedule: str, micro: int, pp: int = PP, dp: int = DP):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    position, replica, v = ctx.rank // DP, ctx.rank % DP, 2 if schedule == "interleaved" else 1
-    pp_groups = [dist.new_group([j * DP + d for j in range(PP)]) for d in range(DP)]
-    dp_groups = [dist.new_group([j * DP + d for d in range(DP)]) for j in range(PP)]
+    position, replica, v = ctx.rank // dp, ctx.rank % dp, 2 if schedule == "interleaved" else 1
+    pp_groups = [dist.new_group([j * dp + d for j in range(pp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([j * dp + d for d in range(dp)]) for j in range(pp)]
     model, x = make()
-    per = BLOCKS // (PP * v)
+    per = BLOCKS // (pp * v)
     stages, params = [], []
-    for s in _stages(position, v):
+    for s in _stages(position, v, pp):
         mod = nn.Sequential(*[model.blocks[i] for i in range(s * per, (s + 1) * per)])
         params += list(mod.parameters())
         ddp = DDP(mod, process_group=dp_groups[position], bucket_cap_mb=25)
-        stages.append(PipelineStage(ddp, s, PP * v, torch.device("cpu"), group=pp_groups[replica]))
+        stages.append(PipelineStage(ddp, s, pp * v, torch.device("cpu"), group=pp_groups[replica]))
     loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
     sched = (ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn) if schedule == "interleaved"
              else Schedule1F1B(stages[0], micro, loss_fn=loss_fn))
     opt = OPTIMIZER(params)
-    half = x.chunk(DP)[replica]
-    first, last = 0 in _stages(position, v), PP * v - 1 in _stages(position, v)
+    half = x.chunk(dp)[replica]
+    first, last = 0 in _stages(position, v, pp), pp * v - 1 in _stages(position, v, pp)
     target = torch.zeros(half.shape[0])
 
     def step() -> float:
@@ -78,12 +78,12 @@ def torch_side(ctx, schedule: str, micro: int):
             return float("nan")
         loss = torch.stack(losses).detach().mean()
         dist.all_reduce(loss, group=dp_groups[position])
-        return float(loss) / DP
+        return float(loss) / dp
 
     return step
 
 
-def tw_side(ctx, schedule: str, micro: int, overlap: bool):
+def tw_side(ctx, schedule: str, micro: int, overlap: bool, pp: int = PP, dp: int = DP):
     from torchweave.parallel import parallelize
     from torchweave.policies.pipeline import pipeline
     from torchweave.runtime.executor import StepConfig
@@ -92,18 +92,21 @@ def tw_side(ctx, schedule: str, micro: int, overlap: bool):
     model, x = make()
 
     def plan(graph, world_size):
-        return pipeline(graph, world_size, schedule=schedule, dp=DP, micro=micro,
-                        cuts=block_cuts(graph, BLOCKS, PP * v))
+        return pipeline(graph, world_size, schedule=schedule, dp=dp, micro=micro,
+                        cuts=block_cuts(graph, BLOCKS, pp * v))
 
     module = parallelize(model, (x,), plan=plan, groups=ctx.groups, optimizer=OPTIMIZER,
                          config=StepConfig(overlap=overlap, bucket_mb=25.0))
     return lambda: module.train_step(x)
 
 
-def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[str, Any]:
-    sides = {"torch": torch_side(ctx, schedule, micro),
-             "tw": tw_side(ctx, schedule, micro, overlap=True),
-             "tw-end": tw_side(ctx, schedule, micro, overlap=False)}
+def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int, pp: int = PP,
+              dp: int = DP, end: bool = True) -> dict[str, Any]:
+    """``end``: also time torchweave with its gradient sums after the last action ("tw-end")."""
+    sides = {"torch": torch_side(ctx, schedule, micro, pp, dp),
+             "tw": tw_side(ctx, schedule, micro, True, pp, dp)}
+    if end:
+        sides["tw-end"] = tw_side(ctx, schedule, micro, False, pp, dp)
     times: dict[str, list[float]] = {n: [] for n in sides}
     losses: dict[str, list[float]] = {n: [] for n in sides}
     names = list(sides)
@@ -117,9 +120,17 @@ def rank_main(ctx, schedule: str, micro: int, warmup: int, steps: int) -> dict[s
     return {n: {"ms": statistics.median(times[n]) * 1e3, "losses": losses[n]} for n in sides}
 
 
-def main() -> None:
+def measure(schedule: str, micro: int, warmup: int, steps: int, pp: int = PP, dp: int = DP,
+            end: bool = True) -> list[dict[str, Any]]:
+    """One launch on ``pp * dp`` ranks: each rank's ``rank_main`` result (the last rank holds
+    the last stage and its losses)."""
     from torchweave.runtime.launch import LaunchConfig, spawn
 
+    cfg = LaunchConfig(world_size=pp * dp, threads_per_rank=1, timeout_s=300.0)
+    return spawn(rank_main, cfg, schedule, micro, warmup, steps, pp, dp, end)
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved"])
     ap.add_argument("--micro", type=int, default=8)
@@ -130,8 +141,7 @@ def main() -> None:
             "ratio tw/torch | ratio tw/sums at the end | max loss diff |",
             "|---|---|---|---|---|---|---|---|---|"]
     for schedule in args.schedules:
-        cfg = LaunchConfig(world_size=PP * DP, threads_per_rank=1, timeout_s=300.0)
-        results = spawn(rank_main, cfg, schedule, args.micro, args.warmup, args.steps)
+        results = measure(schedule, args.micro, args.warmup, args.steps)
         r0, last = results[0], results[-1]  # rank 3 holds the last stage and its losses
         diff = max(max(abs(a - b) for a, b in zip(last["tw"]["losses"], last[n]["losses"]))
                    for n in ("torch", "tw-end"))

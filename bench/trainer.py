@@ -82,6 +82,16 @@ def _rank(ctx, args) -> dict:
     return out
 
 
+def measure(plan: str = "dp", world_size: int = 2, steps: int = 10,
+            repeats: int = 15) -> dict[str, list[float]]:
+    """One launch: rank 0's per-block seconds per step, ``trainer`` and ``bare`` (alternating
+    blocks of ``steps`` steps, ``repeats`` of each), and ``outside`` (the trainer's share of
+    time outside the step, per block)."""
+    args = argparse.Namespace(plan=plan, world_size=world_size, steps=steps, repeats=repeats)
+    return spawn(_rank, LaunchConfig(world_size=world_size, timeout_s=120,
+                                     threads_per_rank=1), args)[0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", default="dp")
@@ -90,8 +100,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15, help="blocks of each side, alternating")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    res = spawn(_rank, LaunchConfig(world_size=args.world_size, timeout_s=120,
-                                    threads_per_rank=1), args)[0]
+    res = measure(args.plan, args.world_size, args.steps, args.repeats)
     tr, bare = statistics.median(res["trainer"]), statistics.median(res["bare"])
     outside = statistics.median(res["outside"])
     paired = statistics.median(t / b for t, b in zip(res["trainer"], res["bare"]))

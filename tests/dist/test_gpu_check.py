@@ -25,10 +25,10 @@ def test_gpu_check_cpu_smoke_writes_a_report_with_every_section(tmp_path: Path) 
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
             for line in text.splitlines() if line.startswith("| ") and line.count("|") == 4}
     assert rows["env"] == "ok" and rows["unit-tests"] == "ok", text
-    for name in ("tensors", "nccl-policies", "bf16", "sim"):
+    for name in ("tensors", "nccl-policies", "bf16", "sim", "eager"):
         assert rows[name] == "skipped: no CUDA (CPU stand-in: ok)", (name, text)
     assert rows["gloo-cuda"] == "skipped: no CUDA", text
     for want in ("registry split checks on cpu tensors", "gpt-tiny/dp | ok",
-                 "bf16 against fp32", "| fp32 |"):
+                 "bf16 against fp32", "| fp32 |", "torchweave / eager =", "| eager op |"):
         assert want in text, want
     assert elapsed < 150, f"the smoke took {elapsed:.0f} s (about 30 s on an idle 2-core machine)"

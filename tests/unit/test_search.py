@@ -203,8 +203,10 @@ def test_auto_plan_strings() -> None:
     assert plan.notes["spec"] == "dp" and "auto (dp)" in plan.notes["search"]
 
 
-def test_cli_plan_auto_prints_the_ranking_and_saves_the_winner(tmp_path, capsys) -> None:
+def test_cli_plan_auto_prints_the_ranking_and_saves_the_winner(tmp_path, capsys, monkeypatch) -> None:
     from torchweave.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "this machine" is a CPU
     from torchweave.plan.plan import Plan
 
     out = tmp_path / "plan.json"
@@ -221,9 +223,10 @@ def test_cli_plan_auto_prints_the_ranking_and_saves_the_winner(tmp_path, capsys)
     json.loads(out.read_text())
 
 
-def test_an_exhaustive_search_simulates_every_point_and_the_search_matches_it(capsys) -> None:
+def test_an_exhaustive_search_simulates_every_point_and_the_search_matches_it(capsys, monkeypatch) -> None:
     from torchweave.cli import main
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "this machine" is a CPU
     g, cluster = _gpt(), parse_cluster("8xA100-80GB-SXM")
     every = search(g, cluster, "megatron", top=0, exhaustive=True)
     pts, _ = points(8, 32, 8, preset("megatron"))

@@ -317,6 +317,7 @@ def test_plan_auto_on_a_cpu_counts_this_machines_cores(monkeypatch) -> None:
     from torchweave.train.auto import choose_plan
 
     graph = captured("gpt-tiny")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine is a CPU
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     shared = choose_plan(graph, 4)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)

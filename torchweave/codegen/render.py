@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from torchweave.codegen.fuse import fuse_bias
 from torchweave.codegen.recompute import RecomputeRun, recompute_runs
 from torchweave.codegen.safe import CodegenError, check, comment, doc
 from torchweave.errors import Problem
@@ -183,6 +184,7 @@ def segment_function(prog: Program, seg: Segment) -> list[str]:
 def body(prog: Program, instrs: list, keep: set[str]) -> list[str]:
     """Lines of a function body running ``instrs`` (recompute groups wrapped)."""
     lines: list[str] = []
+    instrs = fuse_bias(prog, instrs, keep)
     first_use = units.first_uses(prog, instrs)
     for run in recompute_runs(prog, instrs):
         if isinstance(run, RecomputeRun):

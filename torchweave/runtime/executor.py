@@ -156,16 +156,23 @@ class RankModule(UserLoop):
             self.opt.end_forward()
 
     def train_step(self, *batch: torch.Tensor) -> float:
-        """Forward, backward, gradient sync, clipping and optimizer step; the loss."""
-        loss = self.backward_step(*batch)
+        """Forward, backward, gradient sync, clipping and optimizer step; the loss.
+
+        The loss's sum over ranks runs while the optimizer steps: it is read after."""
+        loss = self.backward_async(*batch)
         self.optimizer_step()
-        return loss
+        return loss()
 
     def backward_step(self, *batch: torch.Tensor) -> float:
-        """Forward and backward over the micro-batches, then gradient sync and clipping."""
+        """Forward and backward over the micro-batches, then gradient sync and clipping; the loss."""
+        return self.backward_async(*batch)()
+
+    def backward_async(self, *batch: torch.Tensor) -> Callable[[], float]:
+        """:meth:`backward_step` with the loss's sum over ranks started, not waited for:
+        calling the result waits and gives the loss."""
         k = self.config.grad_accum
         micro = [torch.chunk(x, k, dim=0) for x in batch]
-        total = 0.0
+        total: torch.Tensor | float = 0.0
         for i in range(k):
             last = i == k - 1
             self.sync.enabled = last
@@ -174,13 +181,14 @@ class RankModule(UserLoop):
             if roots and any(r.requires_grad for r in roots):
                 grads = [torch.ones_like(r) if r.numel() else torch.zeros_like(r) for r in roots]
                 torch.autograd.backward(roots, grads)
-            total += float(loss.detach()) if loss is not None else 0.0
+            if loss is not None:  # kept on the device: no wait for the value here
+                total = total + loss.detach().double()
         self.sync.finish()
         if self.opt is not None:
             self.opt.finish_grads()
         if self.config.clip_grad_norm is not None:
             self.clip(self.config.clip_grad_norm)
-        return self.loss_value(total / k)
+        return self.loss_start(total / k)
 
     def set_optimizer(self, factory: OptimizerFactory) -> None:
         """Build this rank's optimizers anew with ``factory`` (ZeRO's shard and the other pieces)."""
@@ -216,16 +224,24 @@ class RankModule(UserLoop):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
-    def loss_value(self, local: float) -> float:
+    def loss_value(self, local: float | torch.Tensor) -> float:
         """The loss on every rank: each partial term counted once, however many ranks hold it."""
+        return self.loss_start(local)()
+
+    def loss_start(self, local: float | torch.Tensor) -> Callable[[], float]:
+        """Start summing this rank's loss term over the loss group; the result waits and reads it."""
         prog = self.program
         if prog.loss_group is None:
-            return local
+            return lambda: float(local)
         index, count = prog.loss_partial
         buf = torch.zeros(2 * count, dtype=torch.float64, device=self.rt.device)
         buf[index], buf[count + index] = local, 1.0
-        dist.all_reduce(buf, group=self.rt.group_cache.get(prog.loss_group))
-        return float((buf[:count] / buf[count:]).sum())
+        work = dist.all_reduce(buf, group=self.rt.group_cache.get(prog.loss_group), async_op=True)
+
+        def value() -> float:
+            work.wait()
+            return float((buf[:count] / buf[count:]).sum())
+        return value
 
     def grad_norm(self) -> float:
         """The global gradient norm: each distinct piece counted once."""
@@ -256,9 +272,12 @@ class RankModule(UserLoop):
         return {path: (self.slots[path].box, t.detach()) for path, t in params.items()}
 
     def grad_pieces(self) -> dict[str, tuple[Any, torch.Tensor | None]]:
+        """Path → (box, a copy of the current local gradient): a summed gradient is a view into
+        its bucket, which the next step's sum overwrites."""
         grads = self.opt.full_grads(self.params) if self.opt is not None else {
             k: v.grad for k, v in self.params.items()}
-        return {path: (self.slots[path].box, g) for path, g in grads.items()}
+        return {path: (self.slots[path].box, None if g is None else g.detach().clone())
+                for path, g in grads.items()}
 
     def load_pieces(self, fulls: dict[str, torch.Tensor]) -> None:
         """Set each piece this rank holds from whole tensors by path (absent paths stay)."""

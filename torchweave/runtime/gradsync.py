@@ -7,6 +7,13 @@ bucket's last gradient arrives, its all-reduce starts asynchronously while
 backward goes on, as DDP does. Buckets always start in the same order on every
 rank, so collectives match. Each gradient is reduced exactly once per step.
 
+Each bucket owns one flat buffer for the whole run. When its sum starts, each
+gradient is copied into its place there and the parameter's ``.grad`` becomes
+that place (a view), so the sum lands in the gradients with no copy back; a
+gradient that already is its view (not set to None since) is not copied at
+all. The first bucket of each group is small (``FIRST_BUCKET_BYTES``), so the
+first sum starts early in backward.
+
 A caller that runs several backward passes per step (micro-batches, pipeline
 actions) says which gradients are final in the pass it is about to run
 (``enabled`` and ``allow``), and may mark gradients final that no hook sees
@@ -24,13 +31,42 @@ from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
 
 
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket of a group (the last gradients backward produces): 1 MiB, as DDP."""
+
+
 @dataclass
 class Bucket:
     group: tuple[int, ...]
     params: list[torch.Tensor]
     ready: set[int] = field(default_factory=set)
     flat: torch.Tensor | None = None
+    """The bucket's gradients, one after another (made when the bucket is full)."""
+    views: list[torch.Tensor] = field(default_factory=list)
     work: object | None = None
+
+    def nbytes(self) -> int:
+        return sum(q.numel() * q.element_size() for q in self.params)
+
+    def build(self) -> None:
+        p0 = self.params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+        offsets = [0]
+        for p in self.params:
+            offsets.append(offsets[-1] + p.numel())
+        self.views = [self.flat[a:b].view_as(p) for a, b, p in zip(offsets, offsets[1:], self.params)]
+
+    def gather(self) -> None:
+        """Every gradient into its place in ``flat``, and ``.grad`` made that place."""
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            else:
+                continue
+            p.grad = view
 
 
 class GradSync:
@@ -43,15 +79,21 @@ class GradSync:
         self.enabled = True
         self.allow: set[int] | None = None
         """When set, hooks count only the parameters (by ``id``) in it as final."""
-        open_: dict[tuple[int, ...], Bucket] = {}
+        open_: dict[tuple, Bucket] = {}
+        started: set[tuple] = set()
         for p, group in reversed(params):
-            b = open_.get(group)
-            size = sum(q.numel() * q.element_size() for q in b.params) if b else 0
-            if b is None or size + p.numel() * p.element_size() > bucket_bytes:
+            key = (group, p.dtype, p.device)
+            b = open_.get(key)
+            cap = bucket_bytes if key in started else min(bucket_bytes, FIRST_BUCKET_BYTES)
+            if b is None or b.nbytes() + p.numel() * p.element_size() > cap:
+                if b is not None:
+                    started.add(key)
                 b = Bucket(group, [])
                 self.buckets.append(b)
-                open_[group] = b
+                open_[key] = b
             b.params.append(p)
+        for b in self.buckets:
+            b.build()
         self._where = {id(p): (i, b) for i, b in enumerate(self.buckets) for p in b.params}
         self._next = 0
         if overlap:
@@ -89,8 +131,7 @@ class GradSync:
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.flat = torch.cat([g.reshape(-1) for g in grads])
+        b.gather()
         self.group_cache.counter.record(CommKind.ALL_REDUCE, Direction.BACKWARD, b.group,
                                b.flat.numel() * b.flat.element_size())
         pg = self.group_cache.get(b.group)
@@ -103,15 +144,6 @@ class GradSync:
         for b in self.buckets:
             if self.overlap and b.work is not None:
                 b.work.wait()
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                piece = b.flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = piece.clone()
-                else:
-                    p.grad.copy_(piece)
-                offset += n
             b.ready.clear()
-            b.flat = b.work = None
+            b.work = None
         self._next = 0

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,7 @@ class PipelineModule(RankModule):
         return final
 
     # ------------------------------------------------------------ one step
-    def backward_step(self, *batch: torch.Tensor) -> float:
+    def backward_async(self, *batch: torch.Tensor) -> Callable[[], float]:
         inputs = [self._cast(x.to(self.rt.device)) if isinstance(x, torch.Tensor) else x for x in batch]
         self._micro = [torch.chunk(x, self.micro, dim=0) for x in inputs]
         self._params = self.param_view()
@@ -235,7 +235,7 @@ class PipelineModule(RankModule):
             if self._read_locally(name):
                 self._handed[(name, m, k)] = outputs[name]
         if grad and loss is not None:
-            self._loss += float(loss.detach()) / self.micro
+            self._loss = self._loss + loss.detach().double() / self.micro
 
     def _read_locally(self, name: str) -> bool:
         return any(name in seg.inputs for seg in self.segments.values())
@@ -350,16 +350,21 @@ class PipelineModule(RankModule):
         self._pending = left
 
     # ------------------------------------------------------------ loss
-    def _reported_loss(self) -> float:
-        """The step's loss on every rank: each partial term counted once, from the last stage."""
+    def _reported_loss(self) -> Callable[[], float]:
+        """The step's loss on every rank (each partial term counted once, from the last stage),
+        its sum over ranks started; the result waits and reads it."""
         prog, world = self.program, self.program.world_size
         if world == 1:
-            return self._loss
+            return lambda: float(self._loss)
         buf = torch.zeros(2 * world, dtype=torch.float64, device=self.rt.device)
         if prog.loss is not None:
             index = prog.loss_partial[0]
             buf[index] = self._loss
             buf[world + index] = 1.0
-        dist.all_reduce(buf)
-        counts = buf[world:]
-        return float((buf[:world][counts > 0] / counts[counts > 0]).sum())
+        work = dist.all_reduce(buf, async_op=True)
+
+        def value() -> float:
+            work.wait()
+            counts = buf[world:]
+            return float((buf[:world][counts > 0] / counts[counts > 0]).sum())
+        return value

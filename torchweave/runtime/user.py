@@ -180,7 +180,8 @@ class UserLoop:
         """Start of a backward pass: whether it sums over ranks; summed gradients set aside."""
         self._pending = False
         if self._synced and sync:  # summed gradients: keep them out of the next sum
-            self._set_aside = {id(p): p.grad for b in self.sync.buckets for p in b.params
+            # copies: a summed gradient is a view into its bucket, which the next sum reuses
+            self._set_aside = {id(p): p.grad.clone() for b in self.sync.buckets for p in b.params
                                if p.grad is not None}
             for b in self.sync.buckets:
                 for p in b.params:

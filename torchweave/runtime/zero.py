@@ -39,8 +39,9 @@ class _Units:
     """Layout of the owned pieces: units, each one flat buffer cut into ``size`` shards."""
 
     def __init__(self, pieces: list[torch.Tensor], keys: list[str], size: int,
-                 budget: int = UNIT_BYTES) -> None:
-        self.size = size
+                 budget: int = UNIT_BYTES, device: torch.device | None = None) -> None:
+        self.size, self.device = size, device
+        """``device``: where rows live when this member owns no piece (NCCL refuses a CPU tensor)."""
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in pieces) else torch.float32
         """Master weights, optimizer state and gradient shards: fp32, or fp64 for a float64 model."""
         self.shapes = [tuple(p.shape) for p in pieces]
@@ -85,7 +86,7 @@ class _Units:
 
     def to_rows(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Pieces → ``[group, C]`` (row k is member k's shard of every unit)."""
-        dev = tensors[0].device if tensors else None
+        dev = tensors[0].device if tensors else self.device
         rows = torch.empty(self.size, self.total, dtype=self.dtype, device=dev)
         for u, idx in enumerate(self.units):
             s, c = self.starts[u], self.cols[u]
@@ -131,7 +132,8 @@ class ZeroOptimizer:
         self.owned = [p for p, _ in owned]
         self.replicas = [slot.replicas for _, slot in owned]
         self._owned_ids = {id(p): i for i, p in enumerate(self.owned)}
-        self.layout = _Units(self.owned, [unit_key(slot.path) for _, slot in owned], self.size)
+        self.layout = _Units(self.owned, [unit_key(slot.path) for _, slot in owned], self.size,
+                             device=group_cache.device)
         rows = self.layout.to_rows([p.detach() for p in self.owned])
         self.master = rows[self.index].clone().requires_grad_(True)
         self.inner = factory([self.master])

@@ -259,9 +259,10 @@ class Trainer:
 
     def _one_step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, float, bool]:
         """Forward, backward, norm; the update only when both loss and norm are finite."""
-        loss = self.module.backward_step(*batch)
+        pending = self.module.backward_async(*batch)  # the loss's sum runs beside the norm's
         clip = self.cfg.optim.clip_grad_norm
         norm = self.module.clip(clip) if clip is not None else self.module.grad_norm()
+        loss = pending()
         ok = math.isfinite(loss) and math.isfinite(norm)
         if ok:
             factor = self.lr(self.step)
