@@ -176,7 +176,7 @@ def _log_profile(ctx: Ctx, sides: list[Side], dev: torch.device) -> None:
     what = "self CUDA" if dev.type == "cuda" else "self CPU"
     tops, totals = [], []
     for side in sides:
-        top, total = _profile(side, dev)
+        top, total = profile_step(side, dev)
         tops.append(top)
         totals.append(total)
     ctx.log(f"  - {what} time of the profiled step ({'all kernels' if dev.type == 'cuda' else 'all ops'}): "
@@ -197,8 +197,9 @@ def _log_profile(ctx: Ctx, sides: list[Side], dev: torch.device) -> None:
     ctx.log("")
 
 
-def _profile(side: Side, dev: torch.device) -> tuple[list[tuple[str, float, int]], float]:
-    """(op, self ms, calls) of the ``TOP_OPS`` ops with the most self time in one step, and the
+def profile_step(side, dev: torch.device, top: int = TOP_OPS) -> tuple[list[tuple[str, float, int]], float]:
+    """(op, self ms, calls) of the ``top`` ops with the most self time in one step of ``side``
+    (anything with a ``step()``; bench/profile_dp.py profiles its ranks with it), and the
     step's total. On CUDA an op's self time is that of the kernels it launched (the profiler
     charges each kernel to its op and also lists it on its own), so ops are ranked and the
     kernels summed, each kernel counted once; on the CPU, self CPU time."""
@@ -225,8 +226,8 @@ def _profile(side: Side, dev: torch.device) -> tuple[list[tuple[str, float, int]
 
         ops = list(events)
         total = sum(map(self_us, ops))
-    top = sorted((e for e in ops if self_us(e) > 0), key=self_us, reverse=True)[:TOP_OPS]
-    return [(e.key, self_us(e) / 1e3, e.count) for e in top], total / 1e3
+    ranked = sorted((e for e in ops if self_us(e) > 0), key=self_us, reverse=True)[:top]
+    return [(e.key, self_us(e) / 1e3, e.count) for e in ranked], total / 1e3
 
 
-__all__ = ["eager"]
+__all__ = ["eager", "profile_step"]

@@ -238,3 +238,16 @@ def test_accumulation_with_a_pipeline_is_refused_before_any_code_is_written(tmp_
         compile_plan(model, inputs, "1f1b:micro=2", world_size=2, micro_batches=2,
                      code_dir=str(tmp_path / "code"))
     assert not (tmp_path / "code").exists()
+
+
+def test_the_schedule_names_have_one_source() -> None:
+    """Plan strings, the search's constraints and the fuzzer read the built-in kinds from one tuple."""
+    import typing
+
+    from torchweave.fuzz.draw import SCHEDULE_NAMES as drawn
+    from torchweave.plan.schedules import BUILTIN
+    from torchweave.policies.pipeline import SCHEDULES, ScheduleName
+    from torchweave.search.constraints import SCHEDULE_NAMES
+
+    assert SCHEDULES is BUILTIN and drawn is BUILTIN and typing.get_args(ScheduleName) == BUILTIN
+    assert SCHEDULE_NAMES == ("none", *BUILTIN, "interlaced")

@@ -29,6 +29,7 @@ from torchweave.errors import TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
+from torchweave.plan.schedules import BUILTIN
 from torchweave.policies.coshard import with_coshard
 from torchweave.policies.data import dp as dp_policy
 from torchweave.policies.pipeline import interlaced, pipeline, with_recycle
@@ -42,7 +43,7 @@ MODELS: tuple[str, ...] = ("gpt-tiny", "llama-tiny", "moe-tiny", "vit-tiny", "sw
 """Model families drawn from (bundled factories; the ``hf-`` ones are transformers models)."""
 BATCH = 8
 """Every drawn model runs on a global batch of this many rows."""
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULE_NAMES = BUILTIN
 
 
 @dataclass(frozen=True, kw_only=True)

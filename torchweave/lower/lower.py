@@ -11,6 +11,7 @@ from __future__ import annotations
 from torchweave.ir.graph import Graph, Node, Ref
 from torchweave.lower.check import check_program
 from torchweave.lower.coshard import coshard_key, coshare_id, lower_region
+from torchweave.lower.defer import defer_replicated_sums, read_kind
 from torchweave.lower.derive import Need, derive, point_to_point
 from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
@@ -46,6 +47,12 @@ class Lowering:
         self.producer = {o: n.name for n in graph.nodes for o in n.outputs if o}
         self.input_reads: dict[str, dict[int, Box]] = {}
         """Graph input → the region of it each device reads (their bounding box)."""
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.reads: list[tuple[str, str, object]] = []
+        """(value, reading node, how it got there: :func:`torchweave.lower.defer.read_kind`)."""
+        self.grad_steps: dict[str, list] = {}
+        """Value → the grad_all_reduce steps that are all it needed (candidates to defer)."""
+        self._kinds: dict[tuple, object] = {}
 
     # ------------------------------------------------------------ driver
     def run(self) -> list[Program]:
@@ -63,6 +70,7 @@ class Lowering:
                 j += 1
             lower_region(self, nodes[i:j], *key)
             i = j
+        defer_replicated_sums(self)
         self._finish()
         return self.programs
 
@@ -203,6 +211,7 @@ class Lowering:
                 reads[d] = hull([reads[d], n.box]) if d in reads else n.box
         key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
         if key in self.cache:
+            self.reads.append((value, node.name, self._kinds[key]))
             return dict(self.cache[key])
         if self._between_stages(value, node):
             # a pipeline boundary: explicit transfers, whose backward sends the gradient to
@@ -212,6 +221,10 @@ class Lowering:
             der = derive(v.meta.shape, self.held[value], needs,
                          defer_grad_sum=is_param and self.defer[value],
                          differentiable=v.meta.dtype.is_floating_point)
+        self._kinds[key] = kind = read_kind(der.steps)
+        self.reads.append((value, node.name, kind))
+        if isinstance(kind, frozenset):
+            self.grad_steps.setdefault(value, []).append(der.steps[0])
         if is_param:
             if der.grad_groups:
                 self.param_grad[value] = der.grad_groups

@@ -39,13 +39,17 @@ class GroupCache:
         self._p2p_device: torch.device | None = None
 
     @property
+    def nccl(self) -> bool:
+        """The default process group runs NCCL (the one place the runtime asks which backend)."""
+        return dist.is_initialized() and "nccl" in str(dist.get_backend())
+
+    @property
     def p2p_device(self) -> torch.device:
         """Where point-to-point messages are sent from and received into: this rank's device,
         except CUDA tensors under gloo, whose send and receive take host memory only
         (PyTorch's backend table; seen on an H200 as the pipelines' only failure)."""
         if self._p2p_device is None:
-            on_gloo = self.device.type == "cuda" and dist.is_initialized() \
-                and "nccl" not in str(dist.get_backend())
+            on_gloo = self.device.type == "cuda" and dist.is_initialized() and not self.nccl
             self._p2p_device = torch.device("cpu") if on_gloo else self.device
         return self._p2p_device
 

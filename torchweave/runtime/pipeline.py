@@ -102,7 +102,7 @@ class StepStats:
 def _tagged(mode: str, group_cache) -> bool:
     """``auto``: tags on gloo (a mismatch then waits instead of swapping tensors), none on NCCL."""
     if mode == "auto":
-        return group_cache.world_size > 1 and dist.get_backend() != "nccl"
+        return group_cache.world_size > 1 and not group_cache.nccl
     return mode == "tagged"
 
 

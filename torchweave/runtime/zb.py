@@ -98,12 +98,17 @@ class SplitBackward:
         those edges (and roots that reach no input) down to the parameters.
         """
         pending: dict[Any, torch.Tensor] = {}  # edge into the parameter-only graph -> gradient
+        # storages a parameter's first gradient may not take over: the seeds (an identity-like
+        # node hands one on as is) and every gradient already taken this pass (two parameters
+        # can be handed the same tensor)
+        taken = {_storage(g) for gs in self.captured.values() for g in gs if g is not None}
+        taken |= {_storage(g) for _, g in self.later}
 
         def route(edge: Any, g: torch.Tensor | None) -> None:
             if g is None:
                 return
             if isinstance(edge, torch.Tensor):
-                _accumulate(edge, g)
+                _accumulate(edge, g, taken)
             else:
                 key = (edge.node, edge.output_nr)
                 pending[key] = g if key not in pending else pending[key] + g
@@ -136,7 +141,7 @@ class SplitBackward:
         found = torch.autograd.grad(outs, self.params, grads, allow_unused=True)
         for p, g in zip(self.params, found):
             if g is not None:
-                _accumulate(p, g)
+                _accumulate(p, g, taken)
 
 
 def _shared_targets(frontier: list[Any], reach_in: dict[Any, bool], reach_param: dict[Any, bool]
@@ -182,8 +187,21 @@ def _as_input_of(node: Any, nr: int, g: torch.Tensor) -> torch.Tensor:
     return g if g.dtype == meta.dtype else g.to(meta.dtype)
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor, taken: set[int] | None = None) -> None:
+    """Add ``g`` to ``p.grad``. A first gradient is copied, except where ``taken`` is given and
+    ``g`` fills a storage of its own that nothing else was handed (autograd's fresh result,
+    perhaps seen through a view of it): then ``p.grad`` takes it over (a copy of every weight
+    per step, 25 ms of a 680 ms ZB-H1 step of 8 MLP blocks on this machine)."""
     if p.grad is None:
-        p.grad = g.detach().clone()
+        own = taken is not None and _storage(g) not in taken and g.is_contiguous() \
+            and g.untyped_storage().nbytes() == g.numel() * g.element_size() \
+            and g.dtype == p.dtype and g.shape == p.shape
+        p.grad = g.detach() if own else g.detach().clone()
+        if taken is not None:
+            taken.add(_storage(p.grad))
     else:
         p.grad.add_(g)

@@ -238,6 +238,29 @@ class ZeroOptimizer:
                 for p, path in zip(self.owned, owned):
                     p.copy_(values[path])
 
+    def load_state(self, params: dict[str, torch.Tensor], values: dict[str, torch.Tensor],
+                   state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Set the master shard from every owned piece's value (path → piece) and the inner
+        optimizer's state from each piece's own (path → name → piece; a 0-dim entry, such as
+        AdamW's ``step``, is one count shared by the shard). A piece without state adds zeros."""
+        self.load_pieces(params, values)
+        paths = {id(p): path for path, p in params.items()}
+        owned = [paths[id(p)] for p in self.owned]
+        inner: dict[str, torch.Tensor] = {}
+        for name in sorted({k for path in owned for k in state.get(path, {})}):
+            per = [state.get(path, {}).get(name) for path in owned]
+            counts = [v for v in per if v is not None and not v.dim()]
+            if counts:
+                inner[name] = counts[0].clone()
+                continue
+            dtype = next(v.dtype for v in per if v is not None)
+            pieces = [v.to(self.master.device) if v is not None else
+                      torch.zeros(self.layout.shapes[i], device=self.master.device)
+                      for i, v in enumerate(per)]
+            inner[name] = self.layout.to_rows(pieces)[self.index].to(dtype).clone()
+        if inner:
+            self.inner.state[self.master] = inner
+
     # ------------------------------------------------------------ inspection
     def full_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.stage < 3:

@@ -43,9 +43,10 @@ from typing import Any
 import yaml
 
 from torchweave.errors import Problem, TorchweaveError
+from torchweave.plan.schedules import BUILTIN
 from torchweave.policies.spec import SPLITS
 
-SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved", "zb", "interlaced")
+SCHEDULE_NAMES = ("none", *BUILTIN, "interlaced")
 """``none``: no pipeline (pp = 1); the others are the pipeline schedules (``interlaced``:
 embeddings and head tensor-parallel over every device, the blocks pipelined one stage
 per device; :func:`torchweave.policies.pipeline.interlaced`)."""

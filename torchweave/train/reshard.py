@@ -140,25 +140,11 @@ def apply_resharded(module: RankModule, ranks: list[dict[str, Any]],
                     module.optimizer.state[t] = {
                         k: (v[box].clone() if v.dim() else v.clone()) for k, v in st.items()}
         if opt is not None:
-            paths = {id(t): p for p, t in module.params.items()}
-            lay = opt.layout
-            master = torch.zeros_like(opt.master)
-            inner: dict[str, torch.Tensor] = {}
-            for a, b, i in lay.segments(opt.index):
-                p = paths[id(opt.owned[i])]
-                u = lay.unit_of[i]
-                off = a - lay.starts[u] + opt.index * lay.cols[u] - lay.offsets[i]
-                box = _sl(module.slots[p].box)
-                master[a:b] = full[p][box].reshape(-1)[off:off + b - a]
-                for k, v in state.get(p, {}).items():
-                    if not v.dim():
-                        inner.setdefault(k, v.clone())
-                        continue
-                    dst = inner.setdefault(k, torch.zeros_like(opt.master, dtype=v.dtype))
-                    dst[a:b] = v[box].reshape(-1)[off:off + b - a]
-            opt.master.copy_(master)
-            if inner:
-                opt.inner.state[opt.master] = inner
+            owned = [p for p, t in module.params.items() if opt.owns(t)]
+            box = {p: _sl(module.slots[p].box) for p in owned}
+            opt.load_state(module.params, {p: full[p][box[p]] for p in owned},
+                           {p: {k: (v[box[p]] if v.dim() else v) for k, v in state.get(p, {}).items()}
+                            for p in owned})
 
 
 __all__ = ["apply_resharded", "reads"]

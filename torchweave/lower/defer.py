@@ -1,0 +1,145 @@
+"""Gradient sums of replicated parameter-only computations, deferred to the parameters.
+
+A value that every rank of a group computes alike from parameters alone (a
+position embedding looked up at ``arange``, a relative-position bias table, a
+class token) and that a batch-split op reads has a partial gradient on each
+rank. Lowering sums it where it is read (a ``grad_all_reduce``: nothing
+forward, an all-reduce in backward, blocking, on an activation). Backward is
+linear in the incoming gradient, so the same sum can be taken at the
+parameters instead, where the bucketed, overlapped gradient sync takes it
+with every other gradient, as DDP does; and a ZeRO plan then shards those
+parameters like the rest, since their gradients are summed over its group.
+
+The move is exact only when nothing else mixes into those gradients. For a
+value ``v`` whose only step is ``grad_all_reduce`` over groups ``G``, its
+*cone* is every node ``v`` depends on through non-parameter values. The sum
+moves to the cone's parameters when:
+
+- no graph input feeds the cone (it is parameters, buffers and constants only);
+- every node of the cone reads its inputs with no communication, so each rank
+  of ``G`` computes the whole cone alike;
+- every floating value of the cone is read outside it only through a lone
+  ``grad_all_reduce`` over the same ``G`` (inside it, with no step);
+- every parameter of the cone is read only inside it, has no gradient sum of
+  its own, and is held whole by exactly the ranks of ``G``;
+- the plan has no pipeline and the cone no co-sharded node.
+
+Then the ``grad_all_reduce`` steps go, their readers read the value itself,
+and the cone's parameters are summed over ``G`` by the gradient sync.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.utils._pytree as pytree
+
+from torchweave.lower.coshard import coshard_key
+from torchweave.lower.program import Comm, Compute, LocalRef
+from torchweave.lower.steps import GradAllReduce, Group, Step
+from torchweave.plan.layout import full_box
+
+if TYPE_CHECKING:
+    from torchweave.lower.lower import Lowering
+
+NONE = "none"
+OTHER = "other"
+
+
+def read_kind(steps: list[Step]) -> Any:
+    """How a reader got a value: with no step, through a lone grad_all_reduce (its groups), or else."""
+    if not steps:
+        return NONE
+    if len(steps) == 1 and isinstance(steps[0], GradAllReduce):
+        return frozenset(steps[0].groups)
+    return OTHER
+
+
+def _cone(low: "Lowering", value: str) -> tuple[set[str], set[str]] | None:
+    """(nodes, parameters) ``value`` depends on through non-parameter values; None if an input does."""
+    nodes: set[str] = set()
+    params: set[str] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        kind = low.graph.values[v].kind
+        if kind in ("param", "buffer"):
+            params.add(v)
+            continue
+        if kind == "input":
+            return None
+        node = low.producer.get(v)
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        todo += [r.name for r in low.nodes[node].input_refs()]
+    return nodes, params
+
+
+def _movable(low: "Lowering", value: str, groups: frozenset[Group]) -> set[str] | None:
+    """The cone's parameters if ``value``'s sum may move to them (module docstring), else None."""
+    cone = _cone(low, value)
+    if cone is None:
+        return None
+    nodes, params = cone
+    if any(coshard_key(low.plan, n) is not None for n in nodes):
+        return None
+    members = set().union(*groups)
+    outputs = {o for n in nodes for o in low.nodes[n].outputs if o}
+    for v, reader, kind in low.reads:
+        inside = reader in nodes
+        if v in params:
+            if not inside or kind != NONE:
+                return None
+        elif v in outputs:
+            if inside and kind != NONE:
+                return None
+            if not inside and low.graph.values[v].meta.dtype.is_floating_point and kind != groups:
+                return None
+    trainable = {p for p in params if low.graph.values[p].kind == "param"
+                 and low.graph.values[p].requires_grad}
+    for p in trainable:
+        held = low.held.get(p, {})
+        whole = full_box(low.graph.values[p].meta.shape)
+        if low.param_grad.get(p, ()) or set(held) != members \
+                or any(piece.box != whole or piece.is_partial for piece in held.values()):
+            return None
+    return trainable
+
+
+def defer_replicated_sums(low: "Lowering") -> None:
+    """Move each movable ``grad_all_reduce`` to its cone's parameters (module docstring)."""
+    if low.plan.pipeline is not None:
+        return
+    candidates = {v: kind for v, _, kind in low.reads if isinstance(kind, frozenset)}
+    gone: set[int] = set()
+    for value, groups in candidates.items():
+        params = _movable(low, value, groups)
+        if params is None:
+            continue
+        for p in params:
+            low.param_grad[p] = tuple(sorted(groups))
+        gone |= {id(s) for s in low.grad_steps.get(value, [])}
+    if gone:
+        for prog in low.programs:
+            prog.instrs = _without(prog.instrs, gone)
+
+
+def _without(instrs: list, gone: set[int]) -> list:
+    """``instrs`` without the Comms whose step is in ``gone``; their readers read the source."""
+    rename: dict[str, str] = {}
+    out = []
+    for ins in instrs:
+        if isinstance(ins, Comm) and id(ins.step) in gone:
+            rename[ins.dst] = rename.get(ins.src, ins.src)
+            continue
+        if rename and isinstance(ins, Compute):
+            args, kwargs = pytree.tree_map(
+                lambda x: LocalRef(rename.get(x.name, x.name)) if isinstance(x, LocalRef) else x,
+                (ins.args, ins.kwargs))
+            ins = Compute(ins.node, ins.fn, args, kwargs, ins.outputs, ins.structure, ins.comment,
+                          ins.chunk, ins.aux)
+        elif rename and isinstance(ins, Comm) and ins.src in rename:
+            ins = Comm(ins.step, ins.value, rename[ins.src], ins.dst, ins.comment, ins.consumer)
+        out.append(ins)
+    return out
