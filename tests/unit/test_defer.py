@@ -54,6 +54,31 @@ class _Pos(nn.Module):
         return out
 
 
+class _Nested(nn.Module):
+    """The table read by a split op twice: once as it is, once through ``* 2`` (a value inside
+    the cone of the second read, itself read outside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(8, 4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pe = self.table(torch.arange(x.shape[1]))
+        h = x + pe
+        h = h + pe * 2
+        return self.proj(h).pow(2).mean()
+
+
+def test_an_inner_value_read_by_a_split_op_loses_its_sum_too() -> None:
+    """Were the inner read's sum kept, the table's gradient would be summed there and again at
+    the parameter: 4 where 3 is right (found in review)."""
+    torch.manual_seed(0)
+    graph = torchweave.capture(_Nested(), (torch.randn(4, 8, 4),))
+    prog = lower(graph, resolve("dp", graph, 2))[0]
+    assert not _grad_all_reduces(prog) and _summed(prog)["table.weight"] == ((0, 1),)
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_value_also_read_whole_keeps_its_sum_where_it_is_read(mixed: bool) -> None:
     torch.manual_seed(0)

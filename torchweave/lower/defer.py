@@ -24,8 +24,10 @@ moves to the cone's parameters when:
   its own, and is held whole by exactly the ranks of ``G``;
 - the plan has no pipeline and the cone no co-sharded node.
 
-Then the ``grad_all_reduce`` steps go, their readers read the value itself,
-and the cone's parameters are summed over ``G`` by the gradient sync.
+Then the ``grad_all_reduce`` steps of every value of the cone go (an inner
+value read by a split op too: a step kept there would sum its part twice),
+their readers read the values themselves, and the cone's parameters are
+summed over ``G`` by the gradient sync.
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def _cone(low: "Lowering", value: str) -> tuple[set[str], set[str]] | None:
     return nodes, params
 
 
-def _movable(low: "Lowering", value: str, groups: frozenset[Group]) -> set[str] | None:
-    """The cone's parameters if ``value``'s sum may move to them (module docstring), else None."""
+def _movable(low: "Lowering", value: str, groups: frozenset[Group]
+             ) -> tuple[set[str], set[str]] | None:
+    """(the cone's parameters, its values) if ``value``'s sum may move to the parameters
+    (module docstring), else None."""
     cone = _cone(low, value)
     if cone is None:
         return None
@@ -104,7 +108,7 @@ def _movable(low: "Lowering", value: str, groups: frozenset[Group]) -> set[str] 
         if low.param_grad.get(p, ()) or set(held) != members \
                 or any(piece.box != whole or piece.is_partial for piece in held.values()):
             return None
-    return trainable
+    return trainable, outputs
 
 
 def defer_replicated_sums(low: "Lowering") -> None:
@@ -114,12 +118,17 @@ def defer_replicated_sums(low: "Lowering") -> None:
     candidates = {v: kind for v, _, kind in low.reads if isinstance(kind, frozenset)}
     gone: set[int] = set()
     for value, groups in candidates.items():
-        params = _movable(low, value, groups)
-        if params is None:
+        movable = _movable(low, value, groups)
+        if movable is None:
             continue
+        params, values = movable
         for p in params:
             low.param_grad[p] = tuple(sorted(groups))
-        gone |= {id(s) for s in low.grad_steps.get(value, [])}
+        # every value of the cone read outside it (through the same lone grad_all_reduce, as
+        # checked): a step kept on an inner one would sum its part twice, there and at the
+        # parameters
+        for v in values:
+            gone |= {id(s) for s in low.grad_steps.get(v, [])}
     if gone:
         for prog in low.programs:
             prog.instrs = _without(prog.instrs, gone)

@@ -202,11 +202,12 @@ class RankModule(UserLoop):
                 if o is not None]
 
     def memory(self) -> int:
-        """Bytes of training state this rank holds: parameter pieces and their gradients,
-        ZeRO's master shard and its gradient, and every optimizer's state (each storage
-        counted once)."""
+        """Bytes of training state this rank holds: parameter pieces and their gradients (the
+        summed ones live in the gradient buckets, held between steps), ZeRO's master shard
+        and its gradient, and every optimizer's state (each storage counted once)."""
         seen: set[int] = set()
         tensors = [t for p in self.params.values() for t in (p, p.grad)]
+        tensors += [b.flat for b in self.sync.buckets]  # kept between steps, grads or not
         if self.opt is not None:
             tensors += [self.opt.master, self.opt.master.grad]
         tensors += [v for opt in self.optimizers() for st in opt.state.values() for v in st.values()]

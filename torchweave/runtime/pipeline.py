@@ -355,7 +355,8 @@ class PipelineModule(RankModule):
         its sum over ranks started; the result waits and reads it."""
         prog, world = self.program, self.program.world_size
         if world == 1:
-            return lambda: float(self._loss)
+            loss = self._loss  # this step's: the next step rebinds self._loss
+            return lambda: float(loss)
         buf = torch.zeros(2 * world, dtype=torch.float64, device=self.rt.device)
         if prog.loss is not None:
             index = prog.loss_partial[0]
