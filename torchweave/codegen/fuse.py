@@ -78,7 +78,7 @@ def fuse_bias(prog: Program, instrs: list[Instr], keep: set[str]) -> list[Instr]
         _, fn, order = PAIRS[mm.fn]
         fused = replace(add, fn=fn, args=order(x, w, add.args[1]),
                         comment=f"{mm.comment}  + bias" if mm.comment else add.comment)
-        moved = {n for n in reads(mm)}
+        moved = set(reads(mm))
         late: list[str] = []
         for k in range(i + 1, j):
             ins = out[k]

@@ -32,6 +32,7 @@ summed over ``G`` by the gradient sync.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch.utils._pytree as pytree
@@ -146,9 +147,8 @@ def _without(instrs: list, gone: set[int]) -> list:
             args, kwargs = pytree.tree_map(
                 lambda x: LocalRef(rename.get(x.name, x.name)) if isinstance(x, LocalRef) else x,
                 (ins.args, ins.kwargs))
-            ins = Compute(ins.node, ins.fn, args, kwargs, ins.outputs, ins.structure, ins.comment,
-                          ins.chunk, ins.aux)
+            ins = replace(ins, args=args, kwargs=kwargs)
         elif rename and isinstance(ins, Comm) and ins.src in rename:
-            ins = Comm(ins.step, ins.value, rename[ins.src], ins.dst, ins.comment, ins.consumer)
+            ins = replace(ins, src=rename[ins.src])
         out.append(ins)
     return out
