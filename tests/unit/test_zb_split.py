@@ -102,6 +102,11 @@ _SHARED = {
     # the bias broadcast over the batch, as t5's [1, heads, q, k] bias is over [b, heads, q, k]
     "one broadcast bias, two layers": lambda x, w, m: (lambda b: torch.tanh(x + b) + b)(
         F.embedding(_emb_idx()[:1], w)),
+    # one matrix read through two transposes (two nodes of their own above the parameter:
+    # a backward straight down to it from the second would also come down the input path)
+    "one matrix, two transposes": lambda x, w, m: torch.tanh(x @ m.t()) @ m.t(),
+    # a tied table: looked up, then the head, through linear's own transpose
+    "tied table, linear head": lambda x, w, m: F.linear(torch.tanh(x + F.embedding(_emb_idx(), w)), w),
     "both": lambda x, w, m: (lambda b: torch.tanh(torch.tanh(x @ m + b) @ m) + b)(F.embedding(_emb_idx(), w)),
 }
 
@@ -112,8 +117,10 @@ def test_a_parameter_reached_from_two_points_of_the_input_path_is_counted_once(n
     frontier node's W already accounts for."""
     torch.manual_seed(0)
     w, m = torch.randn(10, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
-    torch.autograd.backward([_SHARED[name](x, w, m)], [g])
+    x = torch.randn(3, 4, requires_grad=True)
+    out = _SHARED[name](x, w, m)
+    g = torch.randn(out.shape)
+    torch.autograd.backward([out], [g])
     want = [t.grad.clone() if t.grad is not None else torch.zeros_like(t) for t in (x, w, m)]
     for t in (x, w, m):
         t.grad = None

@@ -31,6 +31,7 @@ class SplitBackward:
         to_param = {_grad_node(p) for p in self.params}
         reach_in: dict[Any, bool] = {}
         reach_param: dict[Any, bool] = {}
+        self.parents: dict[Any, int] = {}  # node -> edges into it
 
         def walk(node: Any) -> None:
             stack = [(node, False)]
@@ -44,6 +45,8 @@ class SplitBackward:
                     reach_param.setdefault(n, n in to_param)
                     stack.append((n, True))
                     stack.extend((c, False) for c in children if c not in reach_in)
+                    for c in children:
+                        self.parents[c] = self.parents.get(c, 0) + 1
                     continue
                 reach_in[n] = n in to_input or any(reach_in[c] for c in children)
                 reach_param[n] = n in to_param or any(reach_param[c] for c in children)
@@ -54,7 +57,7 @@ class SplitBackward:
         self.frontier = [n for n in reach_in if reach_in[n] and n not in to_input and any(
             c is not None and reach_param[c] and not reach_in[c] for c, _ in n.next_functions)]
         # each frontier node's edges to parameters only: W's backward goes down these alone
-        leaf_of = {_grad_node(p): p for p in self.params}
+        self.leaf_of = leaf_of = {_grad_node(p): p for p in self.params}
         self.is_param_edge = {n: [c is not None and reach_param[c] and not reach_in[c]
                                   for c, _ in n.next_functions] for n in self.frontier}
         self.edge_at = {n: [leaf_of.get(c, GradientEdge(c, nr)) if c is not None else None
@@ -89,6 +92,23 @@ class SplitBackward:
         finally:
             for h in handles:
                 h.remove()
+
+    def _own_params(self, edges: list[Any]) -> list[torch.Tensor] | None:
+        """The parameters under a frontier node's parameter-only ``edges``, where every node
+        on the way down has no other way in (so a backward from the node to those parameters
+        cannot also come down its input edges); otherwise None."""
+        out: dict[int, torch.Tensor] = {}
+        stack = [_grad_node(e) if isinstance(e, torch.Tensor) else e.node for e in edges]
+        seen: set[Any] = set()
+        while stack:
+            n = stack.pop()
+            if n in seen or self.parents.get(n, 0) != 1:
+                return None
+            seen.add(n)
+            if n in self.leaf_of:
+                out[id(self.leaf_of[n])] = self.leaf_of[n]
+            stack.extend(c for c, _ in n.next_functions if c is not None)
+        return list(out.values())
 
     def weights(self) -> None:
         """Accumulate the parameters' gradients (``W``).
@@ -126,6 +146,13 @@ class SplitBackward:
                         route(self.edge_at[node][i], _as_input_of(c, nr, found[i]))
                 continue
             seeds = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
+            own = self._own_params(edges)
+            if own is not None:
+                # nothing else leads to these parameters: straight down to them, the engine
+                # accumulating each gradient as it is made
+                torch.autograd.backward([e for e, _ in seeds], [g for _, g in seeds],
+                                        inputs=own, retain_graph=True)
+                continue
             found = torch.autograd.grad([e for e, _ in seeds], edges, [g for _, g in seeds],
                                         allow_unused=True, retain_graph=True)
             for edge, g in zip(edges, found):
@@ -138,10 +165,11 @@ class SplitBackward:
         self.captured.clear()
         if not outs or not self.params:
             return
-        found = torch.autograd.grad(outs, self.params, grads, allow_unused=True)
-        for p, g in zip(self.params, found):
-            if g is not None:
-                _accumulate(p, g, taken)
+        # the engine accumulates each parameter's gradient as it is made, as a plain backward
+        # does: returning them all first (autograd.grad) held a micro-batch's every weight
+        # gradient at once, and freeing them together handed the memory back to the OS, to be
+        # faulted in again on the next W (42k page faults a step on ZB-H1's first stage here)
+        torch.autograd.backward(outs, grads, inputs=self.params)
 
 
 def _shared_targets(frontier: list[Any], reach_in: dict[Any, bool], reach_param: dict[Any, bool]
