@@ -40,7 +40,7 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 _PATH = re.compile(r"[A-Za-z0-9_.\-]{0,300}")
 _TARGET = re.compile(r"[a-z_][a-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
 _TEXT_LEN = 300
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
 _LAYOUTS = {"strided": torch.strided}
@@ -163,15 +163,15 @@ class _Reader:
             if tag == "dict" and isinstance(v, dict):
                 return {self.text(f"{obj} key", k, _IDENT): self.arg(obj, i, depth + 1)
                         for k, i in v.items()}
-            if tag == "dtype" and v in _DTYPES:
-                return _DTYPES[v]
+            if tag == "dtype" and v in DTYPES:
+                return DTYPES[v]
             if tag == "layout" and v in _LAYOUTS:
                 return _LAYOUTS[v]
             if tag == "device" and v in _DEVICES:
                 return torch.device(v)
         self.bad(obj, x, "a number, boolean, null, short string, list, or one of {'ref': NAME}, "
                          "{'tuple': [...]}, {'dict': {...}}, {'dtype': "
-                         f"{'|'.join(_DTYPES)}}}, {{'device': {'|'.join(_DEVICES)}}}, "
+                         f"{'|'.join(DTYPES)}}}, {{'device': {'|'.join(_DEVICES)}}}, "
                          "{'layout': 'strided'}")
         return None
 
@@ -182,9 +182,9 @@ class _Reader:
             self.bad(f"value {name!r} shape", shape, "a list of whole numbers")
             shape = []
         dims = tuple(self.whole(f"value {name!r} shape", s) for s in shape)
-        dtype = _DTYPES.get(d.get("dtype"))
+        dtype = DTYPES.get(d.get("dtype"))
         if dtype is None:
-            self.bad(f"value {name!r} dtype", d.get("dtype"), f"one of {', '.join(_DTYPES)}")
+            self.bad(f"value {name!r} dtype", d.get("dtype"), f"one of {', '.join(DTYPES)}")
         kind = d.get("kind")
         if kind not in _KINDS:
             self.bad(f"value {name!r} kind", kind, f"one of {', '.join(_KINDS)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torchweave.api import capture
 from torchweave.codegen.render import write
 from torchweave.errors import Problem, TorchweaveError
+from torchweave.graphfile import DTYPES, graph_from_json, graph_to_json
 from torchweave.ir.graph import Graph
 from torchweave.lower.lower import lower
 from torchweave.lower.program import Comm, Program
@@ -30,6 +32,7 @@ from torchweave.search import resolve as resolve_auto
 from torchweave.runtime.executor import (
     OptimizerFactory, RankModule, StepConfig, default_optimizer,
 )
+from torchweave.runtime.broadcast import broadcast_tensor, broadcast_text
 from torchweave.runtime.groups import GroupCache
 from torchweave.runtime.pipeline import PipelineModule
 from torchweave.runtime.statedict import StateLayout, state_layout
@@ -120,19 +123,11 @@ def _meta_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return copy.deepcopy(model, {id(t): meta(t) for t in tensors})
 
 
-def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
-                 world_size: int, code_dir: str | None = None, micro_batches: int = 1,
-                 precision: str = "fp32", only_rank: int | None = None,
-                 graphs: dict | None = None) -> Compiled:
-    """Capture, resolve and validate the plan, lower it and write each rank's code.
-
-    With ``micro_batches`` > 1 the graph is captured on one micro-batch (the
-    first 1/k of each input's dim 0), the shape every forward then sees. With
-    ``precision="bf16"`` it is captured on a bf16 copy on the meta device, so the
-    model's own casts (norms in fp32, say) are kept as written. ``graphs``: a
-    cache of captures shared by several plans of the same models (graphs are
-    read, never changed, by planning and lowering).
-    """
+def capture_and_resolve(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
+                        world_size: int, micro_batches: int = 1, precision: str = "fp32",
+                        graphs: dict | None = None) -> tuple[Graph, Plan]:
+    """The graph lowering reads (one micro-batch's, for a pipeline or accumulation) and the plan
+    as resolved on it (see :func:`compile_plan`)."""
     k = merged_accum(plan, micro_batches)  # the plan's accum, or the step's grad_accum
     graph = _capture(model, example_inputs, k, precision, graphs)
     if needs_search(plan):  # searched (or solved) once, on the whole batch
@@ -158,6 +153,26 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
         graph = _capture(model, example_inputs, pipe.micro_batches, precision, graphs)
         if not isinstance(plan, Plan):  # a solved split keeps the whole batch's answer
             resolved = resolve_auto(plan, graph, world_size, like=resolved)
+    return graph, resolved
+
+
+def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
+                 world_size: int, code_dir: str | None = None, micro_batches: int = 1,
+                 precision: str = "fp32", only_rank: int | None = None,
+                 graphs: dict | None = None, front: tuple[Graph, Plan] | None = None) -> Compiled:
+    """Capture, resolve and validate the plan, lower it and write each rank's code.
+
+    With ``micro_batches`` > 1 the graph is captured on one micro-batch (the
+    first 1/k of each input's dim 0), the shape every forward then sees. With
+    ``precision="bf16"`` it is captured on a bf16 copy on the meta device, so the
+    model's own casts (norms in fp32, say) are kept as written. ``graphs``: a
+    cache of captures shared by several plans of the same models (graphs are
+    read, never changed, by planning and lowering). ``front``: the graph and the
+    resolved plan, already made (:func:`shared_front`); nothing is captured then.
+    """
+    graph, resolved = front or capture_and_resolve(model, example_inputs, plan, world_size=world_size,
+                                                   micro_batches=micro_batches, precision=precision,
+                                                   graphs=graphs)
     validate(resolved, graph, world_size=world_size)
     programs = lower(graph, resolved)
     _check_zero3_order(resolved, programs)
@@ -174,6 +189,70 @@ def compile_plan(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_inputs)
     return Compiled(graph, resolved, programs, paths, state, state_layout(model, programs, state),
                     shapes)
+
+
+def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
+                 groups: GroupCache, micro_batches: int = 1,
+                 precision: str = "fp32") -> tuple[Graph, Plan] | None:
+    """Capture and resolve on rank 0 alone; every rank then gets the graph and the plan as data.
+
+    Capture (``torch.export``, and its import) and a searched plan cost seconds, and
+    every rank of a job would pay them at once, on shared cores when ranks share a
+    machine. Rank 0 does it, then broadcasts the graph in the graph-file format, the
+    plan as plan JSON and the lifted constants as tensors: nothing is pickled, and
+    both texts pass the loaders' checks (:func:`~torchweave.graphfile.graph_from_json`,
+    :meth:`Plan.from_json`). Rank 0 goes on with what it sent, so every rank lowers
+    the very same graph and plan.
+
+    Where rank 0 could not write its graph or plan in their formats, it keeps its
+    own and the others get None (each captures and resolves for itself). An error
+    on rank 0 reaches every rank.
+    """
+    if groups.world_size == 1 or not dist.is_initialized():
+        return None
+    if groups.rank == 0:
+        try:
+            graph, resolved = capture_and_resolve(model, example_inputs, plan,
+                                                  world_size=groups.world_size,
+                                                  micro_batches=micro_batches, precision=precision)
+        except Exception as exc:
+            broadcast_text(groups, json.dumps({"error": type(exc).__name__, "text": str(exc)[:2000]}))
+            raise
+        consts = graph.meta.get("constants", {})
+        try:
+            text = graph_to_json(graph)
+            mine = graph_from_json(text)  # what the other ranks will read: refused, not sent
+            plan_text = resolved.to_json()
+            Plan.from_json(plan_text)
+            bad = [k for k, v in consts.items() if v.dtype not in DTYPES.values()]
+            if bad:
+                raise ValueError(f"constant {bad[0]} of dtype {consts[bad[0]].dtype}")
+        except Exception as exc:  # noqa: BLE001 - any graph the format cannot hold
+            broadcast_text(groups, json.dumps({"each": f"{type(exc).__name__}: {exc}"[:300]}))
+            return graph, resolved  # the others capture and resolve for themselves, as rank 0 did
+        header = {"graph": text, "plan": plan_text,
+                  "constants": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
+                                for k, v in consts.items()]}
+        broadcast_text(groups, json.dumps(header))
+    else:
+        header = json.loads(broadcast_text(groups, None))
+        if "error" in header:
+            said = " / ".join(line.strip() for line in str(header.get("text", "")).splitlines())
+            raise TorchweaveError(Problem(
+                obj="rank 0's capture and plan", value=str(header["error"])[:100],
+                rule=f"rank 0 captures the model and resolves the plan for every rank; it "
+                     f"stopped with: {said}",
+                fix="the fix rank 0's error names (every rank builds what rank 0 builds)"))
+        if "each" in header:
+            return None
+    graph = mine if groups.rank == 0 else graph_from_json(header["graph"])
+    resolved = Plan.from_json(header["plan"])
+    graph.meta["constants"] = {}
+    for k, dtype, shape in header["constants"]:
+        here = consts[k] if groups.rank == 0 else None
+        graph.meta["constants"][k] = broadcast_tensor(groups, here, tuple(int(n) for n in shape),
+                                                      DTYPES[dtype])
+    return graph, resolved
 
 
 def _scratch_dir() -> str:
@@ -242,9 +321,11 @@ def parallelize(
             else torch.device("cpu")
         groups = GroupCache(rank=dist.get_rank(), world_size=dist.get_world_size(),
                             timeout_s=60.0, device=device)
+    front = shared_front(model, example_inputs, plan, groups=groups,
+                         micro_batches=config.grad_accum, precision=config.precision)
     compiled = compile_plan(model, example_inputs, plan, world_size=groups.world_size,
                             code_dir=code_dir, micro_batches=config.grad_accum,
-                            precision=config.precision, only_rank=groups.rank)
+                            precision=config.precision, only_rank=groups.rank, front=front)
     module = rank_module(compiled, groups, optimizer=optimizer, config=config)
     module.recompile = _recompiler(model, compiled, groups, config, code_dir)
     return module

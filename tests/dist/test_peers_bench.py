@@ -1,5 +1,5 @@
-"""bench/peers.py on its smallest path (dp against DDP, 2 ranks, 1 launch, 1 timed step): a
-row with a ratio comes out and the README section is written, so the one-job bench cannot
+"""bench/peers.py on its smallest path (dp against DDP, 2 ranks, 1 launch, 1 timed step, and
+the time to first step): a row with a ratio comes out and the README section is written, so the one-job bench cannot
 rot while nobody runs it in full."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_peers_quick_dp_row_has_a_ratio_and_writes_the_readme_section(tmp_path: 
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n")
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--quick",
-                          "--worlds", "2", "--launches", "1", "--steps", "1", "--only", "dp",
+                          "--worlds", "2", "--launches", "1", "--steps", "1", "--only", "dp", "first",
                           "--readme", "--readme-path", str(readme)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -29,6 +29,11 @@ def test_peers_quick_dp_row_has_a_ratio_and_writes_the_readme_section(tmp_path: 
     assert re.fullmatch(r"\d+\.\d\dx", cells[5]), rows[0]  # the median ratio
     assert "failed" not in rows[0] and "DIFFER" not in rows[0], rows[0]
     assert "rows meet their target" in run.stdout, run.stdout
+    first = [line for line in run.stdout.splitlines() if line.startswith("| first step | DDP")]
+    assert len(first) == 1 and "<= peer + 1 s" in first[0], run.stdout
+    cells = [c.strip() for c in first[0].strip("|").split("|")]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0, first[0]  # both sides' times
+    assert "failed" not in first[0] and "DIFFER" not in first[0], first[0]
     text = readme.read_text()
     assert "<!-- peers:begin -->" in text and "<!-- peers:end -->" in text, text
     assert rows[0] in text, text

@@ -1,0 +1,74 @@
+"""Time to first step: a launch of N ranks, from the launch to the end of every rank's first
+training step, for torchweave's ``dp`` and for DDP, on bench/parallel.py's GPT.
+
+Each side is its own launch (process start, imports, model, then torchweave's capture,
+plan, lowering and codegen, or DDP's wrapping; then one step with AdamW), so the time
+includes what a user waits for. bench/peers.py races the two (its ``first`` rows).
+
+Run: python bench/first_step.py [--world 8] [--launches 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+
+def rank_main(ctx, side: str) -> tuple[float, float]:
+    """(when this rank's first step ended, its loss: the whole batch's)."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel import make_gpt  # bench/parallel.py
+
+    model, batch = make_gpt()
+    if side == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        n = batch[0].shape[0] // ctx.world_size
+        part = [x[ctx.rank * n:(ctx.rank + 1) * n] for x in batch]
+        loss = ddp(*part)
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        value = float(total) / ctx.world_size
+    else:
+        from torchweave.parallel import parallelize
+
+        pm = parallelize(model, batch, plan="dp", groups=ctx.groups)
+        value = float(pm.train_step(*batch))
+    return time.time(), value
+
+
+def launch(side: str, world: int, timeout_s: float = 300.0) -> dict[str, Any]:
+    """One launch: seconds from the call to the last rank's end of step 1, and rank 0's loss."""
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    start = time.time()
+    results = spawn(rank_main, LaunchConfig(world_size=world, threads_per_rank=1,
+                                            timeout_s=timeout_s), side)
+    return {"s": max(t for t, _ in results) - start, "loss": results[0][1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--launches", type=int, default=3)
+    args = ap.parse_args()
+    got: dict[str, list[float]] = {"tw": [], "ddp": []}
+    for i in range(args.launches):
+        for side in (("ddp", "tw") if i % 2 == 0 else ("tw", "ddp")):
+            got[side].append(launch(side, args.world)["s"])
+            print(side, f"{got[side][-1]:.2f} s", flush=True)
+    tw, ddp = statistics.median(got["tw"]), statistics.median(got["ddp"])
+    print(f"{args.world} ranks: torchweave dp {tw:.2f} s, DDP {ddp:.2f} s, difference "
+          f"{tw - ddp:+.2f} s (medians of {args.launches})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Data from rank 0 to every rank, over the world group: text as UTF-8 bytes in a ``uint8``
+tensor, tensors as themselves. Nothing is pickled, so what arrives is read as data only
+(see :func:`torchweave.parallel.shared_front`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchweave.runtime.groups import GroupCache
+
+
+def _device(groups: GroupCache) -> torch.device:
+    """NCCL moves device tensors only; gloo, host ones."""
+    return groups.device if groups.nccl else torch.device("cpu")
+
+
+def broadcast_text(groups: GroupCache, text: str | None) -> str:
+    """Rank 0's ``text`` on every rank (the others pass None)."""
+    dev = _device(groups)
+    data = text.encode() if groups.rank == 0 and text is not None else b""
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    dist.broadcast(n, 0)
+    size = int(n.item())
+    if groups.rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if size else \
+            torch.empty(0, dtype=torch.uint8, device=dev)
+    else:
+        buf = torch.empty(size, dtype=torch.uint8, device=dev)
+    if size:
+        dist.broadcast(buf, 0)
+    return bytes(buf.cpu().numpy().tobytes()).decode()
+
+
+def broadcast_tensor(groups: GroupCache, t: torch.Tensor | None, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Rank 0's ``t`` (of ``shape`` and ``dtype``, as every rank was told) on every rank, on
+    the CPU."""
+    dev = _device(groups)
+    buf = t.detach().to(dev, dtype).contiguous().clone() if groups.rank == 0 and t is not None \
+        else torch.empty(shape, dtype=dtype, device=dev)
+    dist.broadcast(buf, 0)
+    return buf.cpu()
