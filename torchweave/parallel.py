@@ -235,6 +235,9 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
                                 for k, v in consts.items()]}
         broadcast_text(groups, json.dumps(header))
     else:
+        # while rank 0 captures: what the step needs anyway, so that its import overlaps
+        # rank 0's work (every torch optimizer's constructor imports torch._dynamo, ~1.5 s)
+        import torch._dynamo  # noqa: F401
         header = json.loads(broadcast_text(groups, None))
         if "error" in header:
             said = " / ".join(line.strip() for line in str(header.get("text", "")).splitlines())

@@ -56,8 +56,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
@@ -179,6 +177,11 @@ def _solve(graph: Graph, cluster: Cluster, tp: int, world: int, dtype: torch.dty
         for ib, b in enumerate(cb):  # columns to the consumer's
             row([(base + ia * len(cb) + ib, 1.0) for ia in range(len(pa))]
                 + [(col[(c, b)], -1.0)], 0.0, 0.0)
+    # scipy on first solve only: importing it costs every process that imports torchweave
+    # (each rank of a job) 0.4 s, and most never solve
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     nvar = len(cost)
     integrality = np.zeros(nvar)
     integrality[:binary] = 1
