@@ -5,7 +5,7 @@ Each side is its own launch (process start, imports, model, then torchweave's ca
 plan, lowering and codegen, or DDP's wrapping; then one step with AdamW), so the time
 includes what a user waits for. bench/peers.py races the two (its ``first`` rows).
 
-Run: python bench/first_step.py [--world 8] [--launches 3]
+Run: python bench/first_step.py [--worlds 2 4 8] [--launches 3] [--readme]
 """
 
 from __future__ import annotations
@@ -57,17 +57,36 @@ def launch(side: str, world: int, timeout_s: float = 300.0) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     args = ap.parse_args()
-    got: dict[str, list[float]] = {"tw": [], "ddp": []}
-    for i in range(args.launches):
-        for side in (("ddp", "tw") if i % 2 == 0 else ("tw", "ddp")):
-            got[side].append(launch(side, args.world)["s"])
-            print(side, f"{got[side][-1]:.2f} s", flush=True)
-    tw, ddp = statistics.median(got["tw"]), statistics.median(got["ddp"])
-    print(f"{args.world} ranks: torchweave dp {tw:.2f} s, DDP {ddp:.2f} s, difference "
-          f"{tw - ddp:+.2f} s (medians of {args.launches})")
+    rows = ["| ranks | torchweave dp s | DDP s | difference (median of paired launches) | range | "
+            "target | met |", "|---|---|---|---|---|---|---|"]
+    for world in args.worlds:
+        got: dict[str, list[float]] = {"tw": [], "ddp": []}
+        for i in range(args.launches):
+            for side in (("ddp", "tw") if i % 2 == 0 else ("tw", "ddp")):
+                got[side].append(launch(side, world)["s"])
+                print(f"{world} ranks, {side}: {got[side][-1]:.2f} s", flush=True)
+        diffs = [a - b for a, b in zip(got["tw"], got["ddp"])]
+        med = statistics.median(diffs)
+        rows.append(f"| {world} | {statistics.median(got['tw']):.2f} | "
+                    f"{statistics.median(got['ddp']):.2f} | {med:+.2f} s | "
+                    f"{min(diffs):+.2f} – {max(diffs):+.2f} s | <= +1 s | "
+                    f"{'yes' if med <= 1.0 else 'no'} |")
+        print(rows[-1], flush=True)
+    print("\n".join(rows))
+    if args.readme:
+        import sys
+
+        from readme_section import write_section  # bench/readme_section.py
+
+        write_section("first-step", "python bench/first_step.py " + " ".join(sys.argv[1:]),
+                      f"Each launch: process start, imports, model, then torchweave's capture, "
+                      f"plan, lowering and codegen, or DDP's wrapping; one AdamW step. "
+                      f"{args.launches} launches per side, alternating which goes first.\n\n"
+                      + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":
