@@ -29,6 +29,9 @@ def rank_main(ctx, side: str) -> tuple[float, float]:
 
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        if batch[0].shape[0] % ctx.world_size:
+            raise ValueError(f"DDP's shards: the batch of {batch[0].shape[0]} does not split "
+                             f"over {ctx.world_size} ranks")
         n = batch[0].shape[0] // ctx.world_size
         part = [x[ctx.rank * n:(ctx.rank + 1) * n] for x in batch]
         loss = ddp(*part)

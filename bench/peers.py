@@ -280,8 +280,8 @@ def verdict(pair: Pair, world: int, done: list[Launch]) -> tuple[str, str | None
            f"{'; '.join(notes)} |")
     if med is None:
         miss = ["no peer" if pair.peer == TW_ONLY else "no ratio"]
-    elif pair.slack_ms is not None:
-        over = statistics.median(tw) - statistics.median(peer)
+    elif pair.slack_ms is not None:  # the median of each launch's difference (as first_step.py)
+        over = statistics.median(l.tw_ms - l.peer_ms for l in done if l.tw_ms and l.peer_ms)
         miss = [f"{over / 1e3:+.1f} s over the peer"] if over > pair.slack_ms else []
     else:
         miss = [f"ratio {med:.2f}x"] if med > pair.target else []

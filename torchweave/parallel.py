@@ -32,7 +32,7 @@ from torchweave.search import resolve as resolve_auto
 from torchweave.runtime.executor import (
     OptimizerFactory, RankModule, StepConfig, default_optimizer,
 )
-from torchweave.runtime.broadcast import broadcast_tensor, broadcast_text
+from torchweave.runtime.broadcast import as_bytes, broadcast_tensor, broadcast_text
 from torchweave.runtime.groups import GroupCache
 from torchweave.runtime.pipeline import PipelineModule
 from torchweave.runtime.statedict import StateLayout, state_layout
@@ -208,7 +208,8 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     own and the others get None (each captures and resolves for itself). An error
     on rank 0 reaches every rank.
     """
-    if groups.world_size == 1 or not dist.is_initialized():
+    if groups.world_size == 1 or not dist.is_initialized() or \
+            dist.get_world_size() != groups.world_size:
         return None
     if groups.rank == 0:
         try:
@@ -227,6 +228,8 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
             bad = [k for k, v in consts.items() if v.dtype not in DTYPES.values()]
             if bad:
                 raise ValueError(f"constant {bad[0]} of dtype {consts[bad[0]].dtype}")
+            data = {k: as_bytes(v) for k, v in consts.items()}  # before the header: a failure
+            # here falls back with every rank told, never between two broadcasts
         except Exception as exc:  # noqa: BLE001 - any graph the format cannot hold
             broadcast_text(groups, json.dumps({"each": f"{type(exc).__name__}: {exc}"[:300]}))
             return graph, resolved  # the others capture and resolve for themselves, as rank 0 did
@@ -252,7 +255,7 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     resolved = Plan.from_json(header["plan"])
     graph.meta["constants"] = {}
     for k, dtype, shape in header["constants"]:
-        here = consts[k] if groups.rank == 0 else None
+        here = data[k] if groups.rank == 0 else None
         graph.meta["constants"][k] = broadcast_tensor(groups, here, tuple(int(n) for n in shape),
                                                       DTYPES[dtype])
     return graph, resolved

@@ -77,14 +77,16 @@ class Scaled(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
         self.scale = torch.tensor([1.0, 2.0, 3.0, 4.0])  # neither parameter nor buffer
+        self.keep = torch.tensor([1, 0, 1, 1], dtype=torch.int16)  # a dtype gloo cannot send
 
     def forward(self, x):
-        return (self.lin(x) * self.scale).pow(2).mean()
+        return (self.lin(x) * self.scale * self.keep).pow(2).mean()
 
 
 @pytest.mark.dist
 def test_constants_reach_every_rank() -> None:
-    """A lifted constant (a plain tensor attribute read in forward) travels as a tensor."""
+    """Lifted constants (plain tensor attributes read in forward) travel as bytes, whatever
+    their dtype (gloo has no int16 broadcast)."""
     torch.manual_seed(0)
     model, x = Scaled(), torch.randn(4, 4)
     want = float(copy.deepcopy(model)(x).detach())

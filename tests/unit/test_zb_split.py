@@ -130,3 +130,47 @@ def test_a_parameter_reached_from_two_points_of_the_input_path_is_counted_once(n
     split.weights()
     for t, expect in zip((w, m), want[1:]):
         torch.testing.assert_close(t.grad if t.grad is not None else torch.zeros_like(t), expect)
+
+
+@pytest.mark.parametrize("sent", ["the weight", "its transpose"])
+def test_a_stage_sending_on_a_weight_finishes_its_gradient_once(sent) -> None:
+    """A root under a frontier node's parameter edges (a stage that sends on ``w`` or ``w.t()``)
+    is a second way in: ``W`` must not accumulate ``w`` twice, since each accumulation fires
+    the gradient hooks (the bucketed sum starts on the first, on half a gradient)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    g_y, g_w = torch.randn(2, 4), torch.randn(4, 4)
+
+    def stage():
+        wt = w if sent == "the weight" else w.t()
+        return [x @ wt, wt]
+
+    torch.autograd.backward(stage(), [g_y, g_w])
+    want = w.grad.clone()
+    x.grad = w.grad = None
+    seen = []
+    handle = w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    try:
+        split = SplitBackward(stage(), [g_y, g_w], [x], [w])
+        split.weights()
+    finally:
+        handle.remove()
+    assert len(seen) == 1, f"w's gradient was accumulated {len(seen)} times"
+    torch.testing.assert_close(seen[0], want)
+
+
+def test_w_adds_into_a_bucket_view_without_recording_a_graph() -> None:
+    """``.grad`` as a view of a flat bucket: W adds into it in place, and the node it runs by
+    hand (a weight on and off the input path) records nothing on the buffer."""
+    torch.manual_seed(0)
+    m = torch.randn(4, 4, requires_grad=True)
+    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    torch.autograd.backward([_SHARED["one matrix, two matmuls"](x, None, m)], [g])
+    want = m.grad.clone()
+    flat = torch.zeros(16)
+    m.grad = flat.view(4, 4)
+    split = SplitBackward([_SHARED["one matrix, two matmuls"](x, None, m)], [g], [x], [m])
+    split.weights()
+    assert m.grad.data_ptr() == flat.data_ptr() and not flat.requires_grad
+    torch.testing.assert_close(flat.view(4, 4), want)

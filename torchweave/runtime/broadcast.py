@@ -32,12 +32,23 @@ def broadcast_text(groups: GroupCache, text: str | None) -> str:
     return bytes(buf.cpu().numpy().tobytes()).decode()
 
 
-def broadcast_tensor(groups: GroupCache, t: torch.Tensor | None, shape: tuple[int, ...],
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data as a flat ``uint8`` tensor on the CPU (what :func:`broadcast_tensor` sends:
+    bytes travel on every backend, whatever the dtype)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def broadcast_tensor(groups: GroupCache, data: torch.Tensor | None, shape: tuple[int, ...],
                      dtype: torch.dtype) -> torch.Tensor:
-    """Rank 0's ``t`` (of ``shape`` and ``dtype``, as every rank was told) on every rank, on
-    the CPU."""
+    """Rank 0's tensor (its :func:`as_bytes`; the others pass None) of ``shape`` and
+    ``dtype``, as every rank was told, on every rank, on the CPU."""
     dev = _device(groups)
-    buf = t.detach().to(dev, dtype).contiguous().clone() if groups.rank == 0 and t is not None \
-        else torch.empty(shape, dtype=dtype, device=dev)
-    dist.broadcast(buf, 0)
-    return buf.cpu()
+    count = 1
+    for n in shape:
+        count *= n
+    size = count * torch.empty((), dtype=dtype).element_size()
+    buf = data.to(dev) if groups.rank == 0 and data is not None else \
+        torch.empty(size, dtype=torch.uint8, device=dev)
+    if size:
+        dist.broadcast(buf, 0)
+    return buf.cpu().view(dtype).reshape(shape)

@@ -54,6 +54,10 @@ class SplitBackward:
         nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
         for n in nodes:
             walk(n)
+        for r in roots:  # a root is a way in too (a stage that sends on a weight, or w.t())
+            if r.requires_grad:
+                n = r.grad_fn if r.grad_fn is not None else _grad_node(r)
+                self.parents[n] = self.parents.get(n, 0) + 1
         self.frontier = [n for n in reach_in if reach_in[n] and n not in to_input and any(
             c is not None and reach_param[c] and not reach_in[c] for c, _ in n.next_functions)]
         # each frontier node's edges to parameters only: W's backward goes down these alone
@@ -65,6 +69,7 @@ class SplitBackward:
         self.edges = {n: [e for e, on in zip(self.edge_at[n], self.is_param_edge[n]) if on]
                       for n in self.frontier}
         self.direct = _shared_targets(self.frontier, reach_in, reach_param)
+        self.own = {n: self._own_params(self.edges[n]) for n in self.frontier if n not in self.direct}
         # a root that is an input itself (a tensor the stage passes on unchanged): its
         # gradient is the input's, now
         through = [any(r is x for x in inputs) for r in roots]
@@ -140,13 +145,14 @@ class SplitBackward:
             if node in self.direct:
                 # its parameter edges are also reached through its input edges: run the
                 # node's own backward and keep only the parameter edges' results
-                found = node(*gs)
+                with torch.no_grad():  # its results are gradients, not a graph to record
+                    found = node(*gs)
                 for i, (c, nr) in enumerate(node.next_functions):
                     if c is not None and self.is_param_edge[node][i] and found[i] is not None:
                         route(self.edge_at[node][i], _as_input_of(c, nr, found[i]))
                 continue
             seeds = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
-            own = self._own_params(edges)
+            own = self.own[node]
             if own is not None:
                 # nothing else leads to these parameters: straight down to them, the engine
                 # accumulating each gradient as it is made
