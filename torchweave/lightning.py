@@ -151,7 +151,10 @@ class Strategy(DDPStrategy):
                 for t in lm.state_dict().values():
                     dist.broadcast(t, src=0)
         self._wrapper = _TrainingStep(lm, spec)
-        self.pm = parallelize(self._wrapper, tuple(leaves), plan=self.plan, config=self.step_config)
+        # every rank captures: the capture is where the wrapper learns which logged value is
+        # the loss (its forward runs nowhere else)
+        self.pm = parallelize(self._wrapper, tuple(leaves), plan=self.plan, config=self.step_config,
+                              share_capture=False)
         user = self.optimizers[0] if self.optimizers else None
         if user is None:
             raise TorchweaveError(Problem(

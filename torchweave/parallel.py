@@ -304,7 +304,7 @@ def rank_module(compiled: Compiled, group_cache: GroupCache, *, optimizer: Optim
 def parallelize(
     model: torch.nn.Module, example_inputs: tuple[Any, ...], *, plan: PlanLike,
     groups: GroupCache | None = None, optimizer: OptimizerFactory = default_optimizer,
-    config: StepConfig = StepConfig(), code_dir: str | None = None,
+    config: StepConfig = StepConfig(), code_dir: str | None = None, share_capture: bool = True,
 ) -> RankModule:
     """This rank's share of ``model`` under ``plan``.
 
@@ -313,8 +313,13 @@ def parallelize(
     or with ``pm.train_step(*batch)``, which also steps ``optimizer``.
 
     Call it on every rank of an initialized process group (under
-    :func:`torchweave.launch` or torchrun). Every rank compiles the same plan;
-    each runs its own generated code, written under ``code_dir``.
+    :func:`torchweave.launch` or torchrun). Rank 0 captures the model and resolves
+    the plan, and sends both to every rank (:func:`shared_front`); each rank
+    lowers them and runs its own generated code, written under ``code_dir``.
+    ``share_capture=False``: every rank captures for itself, for a model whose
+    forward leaves Python state that every rank reads afterwards (capture is the
+    only time the model's own forward runs; the Lightning strategy's wrapper
+    learns there which logged value is the loss).
     """
     if groups is None:
         if not dist.is_initialized():
@@ -328,7 +333,8 @@ def parallelize(
         groups = GroupCache(rank=dist.get_rank(), world_size=dist.get_world_size(),
                             timeout_s=60.0, device=device)
     front = shared_front(model, example_inputs, plan, groups=groups,
-                         micro_batches=config.grad_accum, precision=config.precision)
+                         micro_batches=config.grad_accum, precision=config.precision) \
+        if share_capture else None
     compiled = compile_plan(model, example_inputs, plan, world_size=groups.world_size,
                             code_dir=code_dir, micro_batches=config.grad_accum,
                             precision=config.precision, only_rank=groups.rank, front=front)
