@@ -26,7 +26,7 @@ from torchweave.lower.steps import P2P
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import validate
 from torchweave.policies import PlanLike, resolve
-from torchweave.policies.spec import merged_accum
+from torchweave.policies.spec import merged_accum, micro_of
 from torchweave.search import needs_search
 from torchweave.search import resolve as resolve_auto
 from torchweave.runtime.executor import (
@@ -129,6 +129,16 @@ def capture_and_resolve(model: torch.nn.Module, example_inputs: tuple[Any, ...],
     """The graph lowering reads (one micro-batch's, for a pipeline or accumulation) and the plan
     as resolved on it (see :func:`compile_plan`)."""
     k = merged_accum(plan, micro_batches)  # the plan's accum, or the step's grad_accum
+    m = micro_of(plan, world_size) if k == 1 and not needs_search(plan) else None
+    if m is not None and m > 1 and all(
+            not isinstance(x, torch.Tensor) or (x.dim() > 0 and x.shape[0] % m == 0)
+            for x in example_inputs):
+        # a pipeline string: its micro-batch count is known, so one capture of one
+        # micro-batch does (what the general path below ends with, after two)
+        graph = _capture(model, example_inputs, m, precision, graphs)
+        resolved = resolve(plan, graph, world_size)
+        if resolved.pipeline is not None and resolved.pipeline.micro_batches == m:
+            return graph, resolved
     graph = _capture(model, example_inputs, k, precision, graphs)
     if needs_search(plan):  # searched (or solved) once, on the whole batch
         resolved = resolve_auto(plan, graph, world_size)

@@ -279,6 +279,31 @@ def accum_of(plan: Any) -> int:
     return 1
 
 
+def micro_of(plan: Any, world_size: int) -> int | None:
+    """The micro-batches a pipelined plan string runs, known before capture (its ``micro``,
+    else the policy's default: ``2 × pp``, ``pp`` from the mesh as the policy derives it;
+    interlaced: ``2 × world_size``); None for anything else. :func:`torchweave.parallel.
+    capture_and_resolve` captures one micro-batch at once with it, and checks the plan
+    it builds runs that many."""
+    if not isinstance(plan, str) or plan.endswith(".json"):
+        return None
+    spec = PlanSpec.parse(plan)
+    if spec.policy not in _PIPELINES:
+        return None
+    o = spec.options
+    if o.get("micro"):
+        return int(o["micro"])
+    if spec.policy == "interlaced":
+        return 2 * world_size
+    tp, ep, pp, dp = o.get("tp", 1), o.get("ep", 1), o.get("pp"), o.get("dp")
+    if dp is None:
+        dp = world_size // (pp * tp * ep) if pp and world_size % (pp * tp * ep) == 0 else 1
+    if pp is None:
+        inner = tp * dp * ep
+        pp = world_size // inner if inner >= 1 and world_size % inner == 0 else 0
+    return 2 * pp if pp >= 1 else None
+
+
 def merged_accum(plan: Any, grad_accum: int, obj: str = "StepConfig.grad_accum") -> int:
     """Micro-batches per step: the plan's ``accum`` and ``grad_accum`` (``obj`` names
     where it came from) are one setting; either may be given, both only if equal."""
@@ -291,4 +316,4 @@ def merged_accum(plan: Any, grad_accum: int, obj: str = "StepConfig.grad_accum")
     return k if k != 1 else grad_accum
 
 
-__all__ = ["OPTIONS", "PlanSpec", "SPLITS", "SPLIT_OPTIONS", "accum_of", "merged_accum"]
+__all__ = ["OPTIONS", "PlanSpec", "SPLITS", "SPLIT_OPTIONS", "accum_of", "merged_accum", "micro_of"]
