@@ -45,6 +45,19 @@ ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb"]
 SCHEDULES: tuple[str, ...] = BUILTIN
 
 
+def mesh_degrees(world_size: int, *, pp: int | None, tp: int, dp: int | None,
+                 ep: int) -> tuple[int, int]:
+    """``(pp, dp)`` as a pipeline plan takes them: ``dp`` fills what ``pp × tp × ep`` leaves
+    of the world (1 if ``pp`` is not given), then ``pp`` what ``tp × dp × ep`` leaves
+    (0 where it does not divide)."""
+    if dp is None:
+        dp = world_size // (pp * tp * ep) if pp and tp and world_size % (pp * tp * ep) == 0 else 1
+    inner = tp * dp * ep
+    if pp is None:
+        pp = world_size // inner if inner >= 1 and world_size % inner == 0 else 0
+    return pp, dp
+
+
 def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              pp: int | None = None, tp: int = 1, dp: int | None = None, micro: int | None = None,
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
@@ -67,11 +80,8 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
                                       rule=f"one of {', '.join(SCHEDULES)}"))
-    if dp is None:
-        dp = world_size // (pp * tp * ep) if pp and tp and world_size % (pp * tp * ep) == 0 else 1
+    pp, dp = mesh_degrees(world_size, pp=pp, tp=tp, dp=dp, ep=ep)
     inner = tp * dp * ep
-    if pp is None:
-        pp = world_size // inner if inner >= 1 and world_size % inner == 0 else 0
     if pp < 1 or pp * inner != world_size:
         raise TorchweaveError(Problem(
             obj=f"{schedule} plan", value=f"pp={pp}, dp={dp}, tp={tp}" + (f", ep={ep}" if ep > 1 else ""),

@@ -58,7 +58,7 @@ from torchweave.plan.plan import Plan
 from torchweave.policies.coshard import parse_coshard, with_coshard_spec
 from torchweave.policies.data import dp as dp_policy
 from torchweave.policies.expert import ep as ep_policy
-from torchweave.policies.pipeline import SCHEDULES, interlaced
+from torchweave.policies.pipeline import SCHEDULES, interlaced, mesh_degrees
 from torchweave.policies.pipeline import pipeline as pipeline_policy
 from torchweave.policies.random import random_plan
 from torchweave.policies.recompute import MODES, with_recompute
@@ -295,12 +295,8 @@ def micro_of(plan: Any, world_size: int) -> int | None:
         return int(o["micro"])
     if spec.policy == "interlaced":
         return 2 * world_size
-    tp, ep, pp, dp = o.get("tp", 1), o.get("ep", 1), o.get("pp"), o.get("dp")
-    if dp is None:
-        dp = world_size // (pp * tp * ep) if pp and world_size % (pp * tp * ep) == 0 else 1
-    if pp is None:
-        inner = tp * dp * ep
-        pp = world_size // inner if inner >= 1 and world_size % inner == 0 else 0
+    pp, _ = mesh_degrees(world_size, pp=o.get("pp"), tp=o.get("tp", 1), dp=o.get("dp"),
+                         ep=o.get("ep", 1))
     return 2 * pp if pp >= 1 else None
 
 

@@ -4,6 +4,8 @@ tensor, tensors as themselves. Nothing is pickled, so what arrives is read as da
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -43,10 +45,7 @@ def broadcast_tensor(groups: GroupCache, data: torch.Tensor | None, shape: tuple
     """Rank 0's tensor (its :func:`as_bytes`; the others pass None) of ``shape`` and
     ``dtype``, as every rank was told, on every rank, on the CPU."""
     dev = _device(groups)
-    count = 1
-    for n in shape:
-        count *= n
-    size = count * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buf = data.to(dev) if groups.rank == 0 and data is not None else \
         torch.empty(size, dtype=torch.uint8, device=dev)
     if size:
