@@ -128,7 +128,7 @@ def torch_side(ctx, schedule: str, micro: int):
 
 def tw_side(ctx, schedule: str, micro: int):
     from torchweave.parallel import parallelize
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
 
     p, v = ctx.world_size, 2 if schedule == "interleaved" else 1
     model, x = make()

@@ -85,7 +85,7 @@ def torch_side(ctx, schedule: str, micro: int, pp: int = PP, dp: int = DP):
 
 def tw_side(ctx, schedule: str, micro: int, overlap: bool, pp: int = PP, dp: int = DP):
     from torchweave.parallel import parallelize
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
     from torchweave.runtime.executor import StepConfig
 
     v = 2 if schedule == "interleaved" else 1

@@ -92,7 +92,7 @@ def _virtual(schedule: str) -> int:
 def tw_side(ctx, schedule: str, micro: int, passes: int, order: str):
     from torchweave.parallel import parallelize
     from torchweave.plan.schedules.recycle import in_bubbles
-    from torchweave.policies.pipeline import pipeline, with_recycle
+    from torchweave.policies.pipeline_policy import pipeline, with_recycle
 
     model, x, prev = make()
 

@@ -34,7 +34,7 @@ from torchweave.runtime.executor import (
 )
 from torchweave.runtime.broadcast import as_bytes, broadcast_tensor, broadcast_text
 from torchweave.runtime.groups import GroupCache
-from torchweave.runtime.pipeline import PipelineModule
+from torchweave.runtime.schedule_runner import PipelineModule
 from torchweave.runtime.statedict import StateLayout, state_layout
 
 
@@ -323,7 +323,7 @@ def parallelize(
     or with ``pm.train_step(*batch)``, which also steps ``optimizer``.
 
     Call it on every rank of an initialized process group (under
-    :func:`torchweave.launch` or torchrun). Rank 0 captures the model and resolves
+    :func:`torchweave.spawn` or torchrun). Rank 0 captures the model and resolves
     the plan, and sends both to every rank (:func:`shared_front`); each rank
     lowers them and runs its own generated code, written under ``code_dir``.
     ``share_capture=False``: every rank captures for itself, for a model whose
@@ -336,7 +336,7 @@ def parallelize(
             raise TorchweaveError(Problem(
                 obj="parallelize", value="no process group",
                 rule="parallelize runs on every rank of an initialized process group",
-                fix="call it inside torchweave.launch(fn, world_size) or under torchrun",
+                fix="call it inside torchweave.spawn(fn, LaunchConfig(world_size=...)) or under torchrun",
             ))
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")

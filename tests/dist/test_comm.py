@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from torchweave.errors import TorchweaveError
-from torchweave.runtime import comm
+from torchweave.runtime import collectives
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.launch import LaunchConfig, LaunchError, RankFailedError, spawn
 
@@ -77,7 +77,7 @@ def _check_all_reduce(group_cache, G, i, done):
 
             leaf, x = _leaf(X[i], contiguous)
             with group_cache.counter.window() as c:
-                y = comm.all_reduce(group_cache, x, G, bwd=bwd)
+                y = collectives.all_reduce(group_cache, x, G, bwd=bwd)
                 _head(y, W[0] if bwd == "identity" else W[i]).backward()
             what = f"all_reduce(bwd={bwd}, {dtype}) on {G}"
             _close(y, Y, what + " forward")
@@ -98,7 +98,7 @@ def _check_all_gather(group_cache, G, i, done):
 
         leaf, x = _leaf(X.chunk(n, axis)[i], contiguous)
         with group_cache.counter.window() as c:
-            y = comm.all_gather(group_cache, x, G, axis, bwd=bwd)
+            y = collectives.all_gather(group_cache, x, G, axis, bwd=bwd)
             _head(y, W[0] if bwd == "slice" else W[i]).backward()
         what = f"all_gather(axis={axis}, bwd={bwd}) on {G}"
         _close(y, X, what + " forward")
@@ -117,7 +117,7 @@ def _check_reduce_scatter_and_split(group_cache, G, i, done):
         _head(Y, W).backward()
         leaf, x = _leaf(X[i], axis != 1)
         with group_cache.counter.window() as c:
-            y = comm.reduce_scatter(group_cache, x, G, axis)
+            y = collectives.reduce_scatter(group_cache, x, G, axis)
             _head(y, W.chunk(n, axis)[i]).backward()
         what = f"reduce_scatter(axis={axis}) on {G}"
         _close(y, Y.chunk(n, axis)[i], what + " forward")
@@ -130,7 +130,7 @@ def _check_reduce_scatter_and_split(group_cache, G, i, done):
         _head(ref, W).backward()
         leaf, x = _leaf(X, True)
         with group_cache.counter.window() as c:
-            y = comm.split(group_cache, x, G, axis)
+            y = collectives.split(group_cache, x, G, axis)
             _head(y, W.chunk(n, axis)[i]).backward()
         what = f"split(axis={axis}) on {G}"
         _close(y, X.chunk(n, axis)[i], what + " forward")
@@ -153,7 +153,7 @@ def _check_all_to_all(group_cache, G, i, done):
 
         leaf, x = _leaf(X.chunk(n, a)[i], a != 0)
         with group_cache.counter.window() as c:
-            y = comm.all_to_all(group_cache, x, G, split_axis=b, cat_axis=a)
+            y = collectives.all_to_all(group_cache, x, G, split_axis=b, cat_axis=a)
             _head(y, W[i]).backward()
         what = f"all_to_all(split_axis={b}, cat_axis={a}) on {G}"
         _close(y, outs[i].detach(), what + " forward")
@@ -170,7 +170,7 @@ def _check_grad_ops(group_cache, G, i, done):
     sum(_head(ref, w) for w in W).backward()
     x = X.clone().requires_grad_()
     with group_cache.counter.window() as c:
-        y = comm.grad_all_reduce(group_cache, x, G)
+        y = collectives.grad_all_reduce(group_cache, x, G)
         _head(y, W[i]).backward()
     what = f"grad_all_reduce on {G}"
     _close(y, X, what + " forward")
@@ -179,7 +179,7 @@ def _check_grad_ops(group_cache, G, i, done):
     done.append(what)
 
     x = X.clone().requires_grad_()
-    y = comm.grad_scale(x, 0.25)
+    y = collectives.grad_scale(x, 0.25)
     _head(y, W[0]).backward()
     ref = X.clone().requires_grad_()
     _head(ref, W[0]).backward()
@@ -198,7 +198,7 @@ def _check_exchange(group_cache, done):
         src = (r - 2) % w
         specs.append((src, (1, src + 1), torch.float64))
     with group_cache.counter.window() as c:
-        got = comm.exchange(group_cache, sends, specs)
+        got = collectives.exchange(group_cache, sends, specs)
     assert torch.equal(got[0], torch.full((prv + 1, 2), float(prv))), got[0]
     assert torch.equal(got[1], torch.arange(prv + 2)), got[1]
     if w >= 3:
@@ -212,18 +212,18 @@ def _check_errors(group_cache, done):
     other = tuple(r for r in group_cache.world if r != group_cache.rank)
     if len(other) >= 2:
         msg = f"group {other}: called on rank {group_cache.rank}"
-        with pytest.raises(comm.CommError, match=re.escape(msg)):
-            comm.all_reduce(group_cache, torch.ones(2), other)
+        with pytest.raises(collectives.CommError, match=re.escape(msg)):
+            collectives.all_reduce(group_cache, torch.ones(2), other)
     with pytest.raises(TorchweaveError, match=r"\(%d,\): not created" % group_cache.rank):
         group_cache.get((group_cache.rank,))
     with pytest.raises(TorchweaveError, match=r"ranks \[9\]"):
         group_cache.get((0, 9))
-    with pytest.raises(comm.CommError, match="divide evenly"):
-        comm.reduce_scatter(group_cache, torch.ones(group_cache.world_size + 1), group_cache.world, 0)
-    with pytest.raises(comm.CommError, match="axis"):
-        comm.all_gather(group_cache, torch.ones(2, 2), group_cache.world, 2)
-    with pytest.raises(comm.CommError, match="peers"):
-        comm.exchange(group_cache, [(group_cache.rank, torch.ones(1))], [])
+    with pytest.raises(collectives.CommError, match="divide evenly"):
+        collectives.reduce_scatter(group_cache, torch.ones(group_cache.world_size + 1), group_cache.world, 0)
+    with pytest.raises(collectives.CommError, match="axis"):
+        collectives.all_gather(group_cache, torch.ones(2, 2), group_cache.world, 2)
+    with pytest.raises(collectives.CommError, match="peers"):
+        collectives.exchange(group_cache, [(group_cache.rank, torch.ones(1))], [])
     done.append("errors")
 
 
@@ -278,7 +278,7 @@ def _fail_job(ctx, how, pid_dir):
             raise ValueError("boom on purpose")
         os._exit(3)
     try:
-        comm.all_reduce(ctx.groups, torch.ones(2), ctx.groups.world)
+        collectives.all_reduce(ctx.groups, torch.ones(2), ctx.groups.world)
     finally:
         time.sleep(600)  # a rank that never returns: spawn must kill it
 

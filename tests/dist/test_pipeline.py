@@ -31,7 +31,7 @@ def _batch8(name: str):
 
 def _mid_block_cuts(graph, world_size):
     """Interleaved stages cut inside block 0: stage 2 reads stage 0's output on one rank."""
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
 
     names = [n.name for n in graph.nodes]
     cuts = [names.index("layer_norm"), names.index("add_1"), names.index("layer_norm_2")]
@@ -58,7 +58,7 @@ def _orders(graph, world_size):
     """1F1B reordered by user op-order: each rank runs every forward before its first backward."""
     from torchweave.plan.schedules import Action
     from torchweave.policies import resolve
-    from torchweave.policies.pipeline import with_schedule
+    from torchweave.policies.pipeline_policy import with_schedule
 
     plan = resolve("1f1b", graph, world_size)
     m = plan.pipeline.micro_batches

@@ -79,6 +79,17 @@ def test_a_name_that_is_no_identifier_is_refused(field: str, value) -> None:
     assert f"node {prog.instrs[i].node!r}" in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["C", "p2p", "torch", "p"])
+def test_a_local_that_would_shadow_generated_code_is_refused(name: str) -> None:
+    """A graph file may name a value after the code's own imports or arguments."""
+    graph = captured("gpt-tiny")
+    prog = lower(graph, resolve("dp", graph, 1))[0]
+    i = next(k for k, ins in enumerate(prog.instrs) if isinstance(ins, Compute) and ins.outputs)
+    prog.instrs[i] = dataclasses.replace(prog.instrs[i], outputs=(name,))
+    with pytest.raises(CodegenError, match="keeps .* for its own imports"):
+        render(prog)
+
+
 def test_a_hostile_module_name_reaches_code_only_as_a_repr(tmp_path: Path) -> None:
     """A submodule named to close a docstring: its code runs and matches the model."""
     marker = tmp_path / "marker"

@@ -127,7 +127,7 @@ def test_a_coshard_that_reads_a_tied_weight_sums_its_gradient_as_the_plain_plan_
     every pipeline schedule hung (fuzzer seed 2204)."""
     from torchweave.lower.lower import Lowering
     from torchweave.plan.validate import validate
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
 
     graph = captured("gpt-tiny")
     defer = {}

@@ -15,7 +15,7 @@ from torchweave.plan.schedules import (
 )
 from torchweave.plan.validate import PlanError, validate
 from torchweave.policies import resolve
-from torchweave.policies.pipeline import pipeline, with_schedule
+from torchweave.policies.pipeline_policy import pipeline, with_schedule
 from torchweave.policies.recompute import with_recompute
 from torchweave.runtime.executor import RankModule
 from torchweave.runtime.groups import GroupCache
@@ -177,7 +177,7 @@ def test_user_op_order_constraints_reorder_a_schedule() -> None:
 
 def test_interlaced_plan_shares_embedding_and_head_across_all_devices() -> None:
     from torchweave.plan.interlaced import check_shared
-    from torchweave.plan.pipeline import ALL
+    from torchweave.plan.stage_plan import ALL
 
     graph = captured("gpt-tiny")
     plan = resolve("interlaced", graph, 4)
@@ -212,7 +212,7 @@ def test_interlaced_plan_shares_embedding_and_head_across_all_devices() -> None:
 def test_one_stage_pipeline_runs_in_process_and_matches_the_model(tmp_path) -> None:
     """The executor on one device (no process group): micro-batches, F then B, the mean loss."""
     from torchweave.runtime.executor import StepConfig
-    from torchweave.runtime.pipeline import PipelineModule
+    from torchweave.runtime.schedule_runner import PipelineModule
 
     model, inputs = built("gpt-tiny")[:2]
     graph = captured("gpt-tiny")  # batch 4: micro-batches of 2
@@ -246,7 +246,7 @@ def test_the_schedule_names_have_one_source() -> None:
 
     from torchweave.fuzz.draw import SCHEDULE_NAMES as drawn
     from torchweave.plan.schedules import BUILTIN
-    from torchweave.policies.pipeline import SCHEDULES, ScheduleName
+    from torchweave.policies.pipeline_policy import SCHEDULES, ScheduleName
     from torchweave.search.constraints import SCHEDULE_NAMES
 
     assert SCHEDULES is BUILTIN and drawn is BUILTIN and typing.get_args(ScheduleName) == BUILTIN

@@ -148,7 +148,7 @@ def test_recompute_groups_stop_at_pipeline_stages() -> None:
     graph = captured("gpt-tiny")
     plan = resolve("1f1b:pp=2", graph, 2)
     middle = next(i for i, n in enumerate(graph.nodes) if n.module.startswith("blocks.0.mlp"))
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
 
     plan = pipeline(graph, 2, schedule="1f1b", cuts=[middle])  # a cut inside block 0
     with_recompute(plan, graph, "full")

@@ -17,7 +17,7 @@ from torchweave.plan.schedules import (
 from torchweave.plan.schedules.recycle import in_bubbles, makespan, multi_forward, up_front
 from torchweave.plan.validate import PlanError, validate
 from torchweave.policies import resolve
-from torchweave.policies.pipeline import pipeline, with_recycle, with_schedule
+from torchweave.policies.pipeline_policy import pipeline, with_recycle, with_schedule
 from torchweave.sim.step.schedule import StageCost, simulate_schedule
 
 

@@ -174,7 +174,7 @@ def test_a_measured_collective_wait_replaces_the_modelled_one() -> None:
     from torchweave.models import FACTORIES
     from torchweave.policies import resolve
     from torchweave.sim import parse_cluster
-    from torchweave.sim.hardware.comm import Collective
+    from torchweave.sim.hardware.collective_cost import Collective
     from torchweave.sim.hardware.compute import ComputeModel
     from torchweave.sim.hardware.profile import OpProfiles, sync_key
     from torchweave.sim.step.context import StepContext

@@ -85,7 +85,7 @@ def _gpt_meta(layers: int = 8, batch: int = 16):
 
 
 def test_pipelined_plans_report_bubble_in_flight_and_memory() -> None:
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
     from torchweave.sim import parse_cluster, simulate
 
     g = _gpt_meta()
@@ -111,7 +111,7 @@ def test_a_pipelines_temporary_buffers_are_one_micro_batchs() -> None:
     """Forward's temporaries (twice the largest op output) are one micro-batch's in a
     pipeline: the 1T GPT of bench/sim_published.py was given 100 GiB of them, twice the
     whole batch's largest op output."""
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
     from torchweave.sim import parse_cluster, simulate
 
     g = _gpt_meta(batch=32)
@@ -179,7 +179,7 @@ def test_gradient_sums_overlap_the_schedule_where_the_device_can() -> None:
     """
     import dataclasses
 
-    from torchweave.policies.pipeline import pipeline
+    from torchweave.policies.pipeline_policy import pipeline
     from torchweave.sim import parse_cluster, simulate
 
     g = _gpt_meta(layers=4, batch=8)

@@ -96,7 +96,7 @@ def test_the_shape_is_what_the_policy_built() -> None:
 
 
 def test_plans_off_the_regular_shape_are_simulated_exactly() -> None:
-    from torchweave.policies.pipeline import with_schedule
+    from torchweave.policies.pipeline_policy import with_schedule
 
     g = _gpt()
     cluster = parse_cluster("64xA100-80GB-SXM@8")

@@ -9,8 +9,8 @@ import pytest
 from torchweave.codegen.render import _comm_line
 from torchweave.lower import steps
 from torchweave.lower.program import Comm, Program
-from torchweave.runtime import comm
-from torchweave.sim.hardware.comm import Collective, collective_of
+from torchweave.runtime import collectives
+from torchweave.sim.hardware.collective_cost import Collective, collective_of
 
 G = ((0, 1),)
 COLLECTIVES = [
@@ -23,7 +23,7 @@ COLLECTIVES = [
 @pytest.mark.parametrize("step", COLLECTIVES, ids=repr)
 def test_each_steps_runtime_function_exists_and_takes_its_arguments(step) -> None:
     fn, args, kwargs = step.runtime_call()
-    target = getattr(comm, fn)
+    target = getattr(collectives, fn)
     inspect.signature(target).bind("group_cache", "x", (0, 1), *args, **kwargs)
 
 

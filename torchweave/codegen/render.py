@@ -109,7 +109,7 @@ def _comm_line(prog: Program, c: Comm) -> str:
         box = dict(s.boxes)[prog.rank]
         call = f"{x}[{', '.join(f'{a}:{b}' for a, b in box)}].contiguous()"
     elif isinstance(s, P2P):
-        call = f"P2P.p2p(rt, {x}, STEPS[{c.dst!r}])"
+        call = f"p2p.p2p(rt, {x}, STEPS[{c.dst!r}])"
     else:
         fn, args, kwargs = s.runtime_call()
         rest = [literal(a) for a in args] + [f"{k}={literal(v)}" for k, v in kwargs.items()]
@@ -132,8 +132,8 @@ def render(prog: Program) -> str:
         "import torch",
         "import torch.utils.checkpoint",
         "",
-        "from torchweave.runtime import comm as C",
-        "from torchweave.runtime import p2p as P2P",
+        "from torchweave.runtime import collectives as C",
+        "from torchweave.runtime import p2p",
         *_imports(prog),
         "",
         "aten = torch.ops.aten",

@@ -18,6 +18,10 @@ from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+RESERVED = frozenset({"torch", "aten", "C", "p2p", "STEPS", "rt", "p", "b"})
+"""Names generated code gives its imports, its step table and its functions' own arguments
+(``rt``, the parameter dict ``p``, a stage's hand-over dict ``b``): a local of the same name
+would shadow them."""
 
 
 class CodegenError(TorchweaveError):
@@ -84,6 +88,11 @@ def check(prog: Program) -> None:
             problems.append(Problem(obj=f"rank {prog.rank} {what}", value=repr(name),
                                     rule="names in generated code are Python identifiers, "
                                          "not keywords",
+                                    fix="rename it in the model or the plan"))
+        elif name in RESERVED and not what.startswith("keyword"):
+            problems.append(Problem(obj=f"rank {prog.rank} {what}", value=repr(name),
+                                    rule=f"generated code keeps {', '.join(sorted(RESERVED))} "
+                                         "for its own imports and arguments",
                                     fix="rename it in the model or the plan"))
     for ins in [*prog.instrs, *(i for seg in prog.segments for i in seg.instrs)]:
         if isinstance(ins, Compute) and not _DOTTED.fullmatch(ins.fn):

@@ -19,7 +19,7 @@ from torchweave.commands.sim import (
     GiB, Setup, _capture, _dtype, _mib, _ms, _plan_for, _sim, gantt_path, load_cluster, write_gantt,
 )
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.sim.hardware.comm import BUCKET_BYTES
+from torchweave.sim.hardware.collective_cost import BUCKET_BYTES
 
 
 @dataclass

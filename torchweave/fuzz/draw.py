@@ -32,7 +32,7 @@ from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import BUILTIN
 from torchweave.policies.coshard import with_coshard
 from torchweave.policies.data import dp as dp_policy
-from torchweave.policies.pipeline import interlaced, pipeline, with_recycle
+from torchweave.policies.pipeline_policy import interlaced, pipeline, with_recycle
 from torchweave.policies.recompute import with_recompute
 from torchweave.policies.random import random_plan
 from torchweave.policies.tensor import sp as sp_policy

@@ -4,7 +4,7 @@ NCCL ignores message tags, and gloo with one tag matches the messages
 between two ranks in the order each side posts them. So every pair of ranks
 must post its sends and receives in one order. This pass derives, from each
 rank's actions and segments, every message the pipeline executor
-(:mod:`torchweave.runtime.pipeline`) issues, and the executor issues exactly
+(:mod:`torchweave.runtime.schedule_runner`) issues, and the executor issues exactly
 these lists:
 
 - ``sends``: after the action's compute, in order: an ``F`` or ``R`` sends its

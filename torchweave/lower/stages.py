@@ -23,7 +23,7 @@ from torchweave.lower.program import (
     Boundary, Comm, Compute, Free, Instr, Program, Segment,
 )
 from torchweave.lower.steps import P2P, devices_of
-from torchweave.plan.pipeline import Pipeline, compute_only
+from torchweave.plan.stage_plan import Pipeline, compute_only
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import PlanError
 

@@ -24,10 +24,10 @@ Each step type is the one place its semantics are written: its printed name
 (``NAME``), the collective its forward runs and the one its backward runs
 (:meth:`forward_collective`, :meth:`backward_collective`), the local bytes it
 produces and moves (:meth:`out_bytes`, :meth:`forward_bytes`,
-``BACKWARD_BYTES``) and the :mod:`torchweave.runtime.comm` function the
+``BACKWARD_BYTES``) and the :mod:`torchweave.runtime.collectives` function the
 generated code calls (:meth:`runtime_call`). Codegen, the simulator and the
 runtime read these; a new collective is one class here and its runtime function.
-Collectives are named by :class:`torchweave.sim.hardware.comm.Collective`'s
+Collectives are named by :class:`torchweave.sim.hardware.collective_cost.Collective`'s
 values (``"all_reduce"``, ...), strings here since the simulator sits beside this layer.
 """
 
@@ -70,7 +70,7 @@ class _Collective:
         return nbytes
 
     def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-        """``(function in runtime.comm, arguments after the group, keyword arguments)``."""
+        """``(function in runtime.collectives, arguments after the group, keyword arguments)``."""
         return self.NAME, (), {}
 
 

@@ -8,7 +8,7 @@ hide the module.
 """
 
 from torchweave.plan.layout import Layout, Mesh, Piece
-from torchweave.plan.pipeline import Pipeline
+from torchweave.plan.stage_plan import Pipeline
 from torchweave.plan.plan import Order, PieceRef, Plan, Trans
 from torchweave.plan.validate import PlanError
 

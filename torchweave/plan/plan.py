@@ -8,7 +8,7 @@
 - **op-order** ``order(a, b)``: piece ``a`` runs before piece ``b`` on their device.
 - **pipelines** (``pipeline``): stages on device groups (op-assign of whole
   stages), micro-batches (op-trans of the batch) and a schedule (op-order of
-  stage actions); see :mod:`torchweave.plan.pipeline`.
+  stage actions); see :mod:`torchweave.plan.stage_plan`.
 
 Built-in policies, user policies and the search all build this one type. It
 prints as a table, round-trips through versioned JSON and is validated before
@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 from torchweave.plan.layout import Mesh
 from torchweave.plan.names import string_problems
-from torchweave.plan.pipeline import Pipeline
+from torchweave.plan.stage_plan import Pipeline
 
 VERSION = 1
 PieceIndex = tuple[int, ...]
@@ -78,7 +78,7 @@ class Plan:
     notes: dict[str, str] = field(default_factory=dict)
     """Free-form provenance: the policy and its arguments, the search's reasons."""
     pipeline: Pipeline | None = None
-    """Stages on device groups, micro-batches and the schedule (see :mod:`torchweave.plan.pipeline`)."""
+    """Stages on device groups, micro-batches and the schedule (see :mod:`torchweave.plan.stage_plan`)."""
     recompute: list[tuple[str, ...]] = field(default_factory=list)
     """Groups of nodes whose activations are recomputed in backward instead of kept."""
     accum: int = 1

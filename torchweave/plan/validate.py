@@ -6,7 +6,7 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
 from torchweave.plan.names import string_problems
-from torchweave.plan.pipeline import check_pipeline, check_schedule
+from torchweave.plan.stage_plan import check_pipeline, check_schedule
 from torchweave.plan.plan import Plan
 from torchweave.plan.recycle import check_recycle
 

@@ -15,9 +15,9 @@ from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.data import dp, zero1, zero2, zero3
 from torchweave.policies.expert import ep
-from torchweave.policies.pipeline import SCHEDULES
-from torchweave.policies.pipeline import interlaced
-from torchweave.policies.pipeline import pipeline as pipeline_policy
+from torchweave.policies.pipeline_policy import SCHEDULES
+from torchweave.policies.pipeline_policy import interlaced
+from torchweave.policies.pipeline_policy import pipeline as pipeline_policy
 from torchweave.policies.random import random_plan
 from torchweave.policies.tensor import sp, tp
 

@@ -58,8 +58,8 @@ from torchweave.plan.plan import Plan
 from torchweave.policies.coshard import parse_coshard, with_coshard_spec
 from torchweave.policies.data import dp as dp_policy
 from torchweave.policies.expert import ep as ep_policy
-from torchweave.policies.pipeline import SCHEDULES, interlaced, mesh_degrees
-from torchweave.policies.pipeline import pipeline as pipeline_policy
+from torchweave.policies.pipeline_policy import SCHEDULES, interlaced, mesh_degrees
+from torchweave.policies.pipeline_policy import pipeline as pipeline_policy
 from torchweave.policies.random import random_plan
 from torchweave.policies.recompute import MODES, with_recompute
 from torchweave.policies.tensor import sp as sp_policy

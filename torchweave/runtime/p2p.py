@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchweave.runtime.comm import exchange
+from torchweave.runtime.collectives import exchange
 
 
 def _region(t: torch.Tensor, box) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from torchweave.lower.units import UNIT_BYTES, group_units, unit_key
-from torchweave.runtime.comm import all_gather_single, reduce_scatter_single
+from torchweave.runtime.collectives import all_gather_single, reduce_scatter_single
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from torchweave.runtime.comm import all_gather_single, reduce_scatter_single
+from torchweave.runtime.collectives import all_gather_single, reduce_scatter_single
 from torchweave.runtime.counter import CommKind, Direction
 
 _TAG = object()

@@ -49,7 +49,7 @@ from torchweave.policies.spec import SPLITS
 SCHEDULE_NAMES = ("none", *BUILTIN, "interlaced")
 """``none``: no pipeline (pp = 1); the others are the pipeline schedules (``interlaced``:
 embeddings and head tensor-parallel over every device, the blocks pipelined one stage
-per device; :func:`torchweave.policies.pipeline.interlaced`)."""
+per device; :func:`torchweave.policies.pipeline_policy.interlaced`)."""
 RECOMPUTE = ("none", "selective", "full")
 PRESET_DIR = Path(__file__).with_name("presets")
 COSHARD = ("0", "2", "4", "8", "16")

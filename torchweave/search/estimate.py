@@ -43,7 +43,7 @@ from torchweave.plan.plan import Plan
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.comm import BUCKET_BYTES, Collective, collective_time
+from torchweave.sim.hardware.collective_cost import BUCKET_BYTES, Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.fast.fold import Blocks, cut
 from torchweave.sim.hardware.memory import model_state_memory

@@ -19,7 +19,7 @@ from torchweave.sim.hardware.cluster import (
     Cluster, cluster_from_dict, cluster_of, cluster_to_dict, dump_cluster_yaml,
     load_cluster_yaml, parse_cluster,
 )
-from torchweave.sim.hardware.comm import (
+from torchweave.sim.hardware.collective_cost import (
     Algorithm, Collective, CommCost, collective_of, collective_options, collective_time, flat_time,
 )
 from torchweave.sim.hardware.compute import ComputeModel, OpTime, dtype_of, op_time, roofline

@@ -28,7 +28,7 @@ from torchweave.plan.schedules.builtin import (
     zero_bubble_h1,
 )
 from torchweave.plan.schedules.check import bubble_fraction, dry_run, peak_in_flight, timeline
-from torchweave.plan.schedules.comm import add_communication
+from torchweave.plan.schedules.sendrecv import add_communication
 
 __all__ = [
     "BUILTIN",

@@ -2,7 +2,7 @@
 
 Each function returns a :data:`~torchweave.plan.schedules.actions.Schedule`
 holding only ``F``, ``B``, ``I`` and ``W`` actions;
-:func:`~torchweave.plan.schedules.comm.add_communication` adds the sends and
+:func:`~torchweave.plan.schedules.sendrecv.add_communication` adds the sends and
 receives. Stage ``s`` runs on rank ``s`` except in :func:`interleaved_1f1b`,
 where it runs on rank ``s % ranks``.
 

@@ -1,6 +1,6 @@
 """Pipelined plans at scale: three stage groups, two data-parallel replicas, one or two blocks a stage.
 
-A pipelined plan as the pipeline policies build it (:mod:`torchweave.policies.pipeline`)
+A pipelined plan as the pipeline policies build it (:mod:`torchweave.policies.pipeline_policy`)
 runs ``pp`` groups of ``dp · tp`` devices, stage ``s`` on group ``s % pp``, each
 stage a run of the model's identical blocks (:mod:`torchweave.sim.fast.fold`), the
 first with the prefix (embeddings) before them, the last with the suffix
@@ -57,7 +57,7 @@ from torchweave.sim.explain.result import MemoryUse
 from torchweave.sim.fast.fold import _NUMBERED
 from torchweave.sim.fast.stageshape import StageShape, find_stage_shape, lift, small_models
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.comm import Collective
+from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.step.backward import Buckets
 from torchweave.sim.step.build import Builder

@@ -18,7 +18,7 @@ from torchweave.ir.graph import Graph
 from torchweave.lower import steps
 from torchweave.lower.program import Comm, Program
 from torchweave.plan.layout import Mesh
-from torchweave.plan.pipeline import Pipeline
+from torchweave.plan.stage_plan import Pipeline
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import BUILTIN, builtin
 from torchweave.sim.fast.fold import Blocks, cut, find_blocks

@@ -12,7 +12,7 @@ import math
 
 from torchweave.lower import steps
 from torchweave.lower.program import Comm, Compute
-from torchweave.sim.hardware.comm import Collective
+from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.hardware.profile import optimizer_key
 from torchweave.sim.step.context import StepContext
 from torchweave.sim.step.engine import COMM, COMPUTE, LOCAL, Task

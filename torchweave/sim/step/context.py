@@ -17,7 +17,7 @@ from torchweave.lower.program import Comm, Compute
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.comm import Collective, collective_time
+from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel, dtype_of, op_time
 from torchweave.sim.hardware.profile import OpProfiles, first_piece, op_key, sync_key
 from torchweave.sim.step.saved import Saves, saves

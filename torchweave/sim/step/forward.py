@@ -16,7 +16,7 @@ import math
 from torchweave.lower import steps
 from torchweave.lower.program import Comm, Compute, Program
 from torchweave.lower.units import group_units, read_order, unit_key
-from torchweave.sim.hardware.comm import Collective
+from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.step.context import StepContext
 from torchweave.sim.step.engine import COMM, COMPUTE, LOCAL, Task
 from torchweave.sim.step.saved import ALIAS_OPS, STRIDING_OPS, packet

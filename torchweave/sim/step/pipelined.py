@@ -18,7 +18,7 @@ no-gradient pass). Activations per rank are the schedule's peak:
 micro-batches in flight times their bytes.
 
 After the schedule, each rank runs the tasks of no stage (:func:`finish_times`).
-As in the runtime (:mod:`torchweave.runtime.pipeline`), a bucket of replicated
+As in the runtime (:mod:`torchweave.runtime.schedule_runner`), a bucket of replicated
 gradients is summed as soon as every stage of the rank that produces one of
 them has run its last ``B`` or ``W``, on the comm stream while the rank goes
 on with its other actions (where ``Device.comm_overlaps_compute``; elsewhere,
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import Kind
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.comm import Collective, collective_time
+from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.step.engine import COMM, COMPUTE, LOCAL, Task
 from torchweave.sim.step.schedule import PipelineStep, StageCost, simulate_schedule
 from torchweave.sim.step.signals import Meet

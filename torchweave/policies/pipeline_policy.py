@@ -27,7 +27,7 @@ from torchweave.ir.graph import Graph
 from torchweave.ops import info
 from torchweave.plan.layout import Mesh
 from torchweave.plan.interlaced import interlaced_1f1b
-from torchweave.plan.pipeline import ALL, Pipeline, apply_orders
+from torchweave.plan.stage_plan import ALL, Pipeline, apply_orders
 from torchweave.plan.plan import Plan
 from torchweave.plan.recycle import Recycle
 from torchweave.plan.schedules.recycle import multi_forward
