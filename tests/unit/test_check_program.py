@@ -78,3 +78,21 @@ def test_a_boundary_that_differs_between_ranks() -> None:
     assert isinstance(b.step, P2P)
     seg.recvs[0] = replace(b, index=b.index + 99)
     _broken(progs, "the same on every rank it touches")
+
+
+def test_later_passes_return_new_programs_and_leave_theirs_alone() -> None:
+    """split_stages (and the messages it derives) make new Programs: the whole ones it was
+    given stay as lowering left them, and the result is what lower() itself returns."""
+    from torchweave.lower.stages import split_stages
+
+    graph = captured("gpt-tiny")
+    plan = resolve("1f1b:micro=2", graph, 2)
+    whole = lower(graph, plan, stages=False)
+    before = copy.deepcopy(whole)
+    split = split_stages(whole, graph, plan)
+    assert whole == before and all(not p.segments and not p.messages for p in whole)
+    assert all(p.segments and p.messages and p.actions for p in split)
+    staged = lower(graph, plan)
+    assert [(p.segments, p.messages, p.actions) for p in split] == \
+        [(p.segments, p.messages, p.actions) for p in staged]
+    check_program(split)

@@ -8,6 +8,8 @@ compute on its device and record where its outputs now live.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torchweave.ir.graph import Graph, Node, Ref
 from torchweave.lower.check import check_program
 from torchweave.lower.coshard import coshard_key, coshare_id, lower_region
@@ -318,14 +320,14 @@ def lower(graph: Graph, plan: Plan, *, stages: bool = True) -> list[Program]:
     validate(plan, graph)
     low = Lowering(graph, plan)
     programs = low.run()
+    # each later pass returns new Programs: what one pass made, the next only reads
     if plan.pipeline is not None and plan.pipeline.recycle is not None:
         links = recycle_links(low, plan.pipeline.recycle)
-        for prog in programs:
-            prog.passes, prog.recycle = plan.pipeline.passes, links
+        programs = [replace(p, passes=plan.pipeline.passes, recycle=links) for p in programs]
     if plan.pipeline is not None and stages:
-        split_stages(programs, graph, plan)
-    for prog in programs:
-        prog.recompute = [tuple(g) for g in plan.recompute]
+        programs = split_stages(programs, graph, plan)
+    recompute = [tuple(g) for g in plan.recompute]
+    programs = [replace(p, recompute=list(recompute)) for p in programs]
     # the contract codegen, the runtime and the simulator rely on
     check_program(programs, names=stages or plan.pipeline is None)
     return programs

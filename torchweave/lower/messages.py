@@ -32,6 +32,8 @@ position where they differ and the grid of the two ranks' actions.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torchweave.errors import Problem
 from torchweave.lower.program import Exchange, Message, Program
 from torchweave.lower.steps import P2P
@@ -81,8 +83,9 @@ def _own(prog: Program, a) -> tuple[list[Message], list[Message]]:
     return needs, sends
 
 
-def derive(programs: list[Program]) -> None:
-    """Fill every pipelined program's ``messages``: one :class:`Exchange` per action (in place).
+def derive(programs: list[Program]) -> list[Program]:
+    """Every pipelined program with its ``messages``: one :class:`Exchange` per action (a
+    pass: new Programs, the given ones unchanged).
 
     Receives are posted in the senders' order (see the module docstring); a
     message that no sender sends is reported by :func:`check_order`.
@@ -95,6 +98,7 @@ def derive(programs: list[Program]) -> None:
                 if x.dst != rank:
                     order.setdefault((rank, x.dst), []).append(x)
     where = {pair: {x: i for i, x in enumerate(xs)} for pair, xs in order.items()}
+    out = []
     for prog in programs:
         cursor: dict[int, int] = {}  # sender -> how many of its messages are posted
         exchanges = []
@@ -114,7 +118,8 @@ def derive(programs: list[Program]) -> None:
                 posts=tuple(posts), needs=tuple(needs),
                 sends=tuple(x for x in sends if x.dst != prog.rank),
                 local=tuple(x for x in sends if x.dst == prog.rank)))
-        prog.messages = exchanges
+        out.append(replace(prog, messages=exchanges))
+    return out
 
 
 def check_order(programs: list[Program]) -> None:

@@ -13,6 +13,7 @@ become an output of one segment and an input of the other.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 
@@ -81,25 +82,26 @@ def _crossing(pipe: Pipeline, ins: Instr, producer: dict[str, str]) -> bool:
     return isinstance(ins.step, P2P) and src is not None and pipe.stage_of[src] != stage
 
 
-def split_stages(programs: list[Program], graph: Graph, plan: Plan) -> None:
-    """Fill each program's segments, actions and micro-batch count (in place)."""
+def split_stages(programs: list[Program], graph: Graph, plan: Plan) -> list[Program]:
+    """Each program cut into its stages' segments, with its actions, micro-batch count and
+    messages (a pass: new Programs, the given ones unchanged)."""
     pipe = plan.pipeline
     assert pipe is not None
     producer = {o: n.name for n in graph.nodes for o in n.outputs if o}
     keys = sorted({c.dst for prog in programs for c in prog.comms() if _crossing(pipe, c, producer)})
     index = {k: i for i, k in enumerate(keys)}
     schedule = compute_only(pipe.schedule)
-    for prog in programs:
-        _split(prog, graph, pipe, index, producer)
-        prog.actions = list(schedule.get(pipe.rank_of_device(prog.rank), []))
-        prog.micro_batches = pipe.micro_batches
-        prog.boundaries = len(keys)
-    derive(programs)
-    check_order(programs)
+    split = [replace(prog, segments=_split(prog, graph, pipe, index, producer),
+                     actions=list(schedule.get(pipe.rank_of_device(prog.rank), [])),
+                     micro_batches=pipe.micro_batches, boundaries=len(keys))
+             for prog in programs]
+    out = derive(split)
+    check_order(out)
+    return out
 
 
 def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int],
-           producer: dict[str, str]) -> None:
+           producer: dict[str, str]) -> list[Segment]:
     stages = pipe.stages_of_device(prog.rank)
     segs = {s: Segment(s, []) for s in stages}
     outside = {p.local for p in prog.params} | {i.local for i in prog.inputs}
@@ -161,7 +163,7 @@ def _split(prog: Program, graph: Graph, pipe: Pipeline, index: dict[str, int],
     keep_inputs = {i.local for i in prog.inputs}
     for seg in segs.values():
         seg.instrs = insert_frees(seg.instrs, set(seg.outputs) | {seg.loss or ""} | keep_inputs)
-    prog.segments = [segs[s] for s in stages]
+    return [segs[s] for s in stages]
 
 
 def describe(prog: Program) -> list[str]:
