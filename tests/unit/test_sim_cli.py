@@ -204,8 +204,7 @@ def test_explain_folded_model_gives_every_block_its_communication() -> None:
     import torch
 
     import torchweave
-    from torchweave.commands.explain import explain_plan
-    from torchweave.commands.sim import Setup
+    from torchweave.sim.op_table import explain_plan
     from torchweave.models.gpt import GPT, GPTConfig
     from torchweave.policies import resolve
     from torchweave.sim import parse_cluster
@@ -216,7 +215,7 @@ def test_explain_folded_model_gives_every_block_its_communication() -> None:
         idx = torch.empty(4, 32, dtype=torch.long)
     g = torchweave.capture(model, (idx, idx))
     assert len(g.nodes) >= 500  # folded automatically
-    ex = explain_plan(Setup(g, resolve("tp", g, 2), parse_cluster("2xA100-80GB-SXM"), None))
+    ex = explain_plan(g, resolve("tp", g, 2), parse_cluster("2xA100-80GB-SXM"))
     assert ex.result.folded_blocks and any("identical" in n for n in ex.result.notes)
     by_block: dict[int, float] = {}
     for row, node in zip(ex.rows, g.nodes):

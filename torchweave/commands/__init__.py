@@ -6,9 +6,8 @@ parsed ``argparse.Namespace`` and a rich ``Console`` and returns the exit
 status (0 ok, 1 the plan does not fit, 2 bad input via ``TorchweaveError``).
 """
 
-from torchweave.commands.calibrate import calibrate_cmd, fit_alpha_beta
-from torchweave.commands.explain import explain_cmd, explain_plan
+from torchweave.commands.calibrate import calibrate_cmd
+from torchweave.commands.explain import explain_cmd
 from torchweave.commands.sim import load_cluster, simulate_cmd
 
-__all__ = ["calibrate_cmd", "explain_cmd", "explain_plan", "fit_alpha_beta", "load_cluster",
-           "simulate_cmd"]
+__all__ = ["calibrate_cmd", "explain_cmd", "load_cluster", "simulate_cmd"]

@@ -1,129 +1,22 @@
 """``torchweave explain``: per op, a plan's partition, devices, communication, time and memory;
 its top costs; and ``--vs`` another plan side by side.
 
-It shares the capture, plan and cluster helpers of :mod:`torchweave.commands.sim`.
+It shares the capture, plan and cluster helpers of :mod:`torchweave.commands.sim`; the
+table itself is :func:`torchweave.sim.op_table.explain_plan`.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from torchweave.commands.sim import (
-    GiB, Setup, _capture, _dtype, _mib, _ms, _plan_for, _sim, gantt_path, load_cluster, write_gantt,
+    GiB, _capture, _dtype, _mib, _ms, _plan_for, gantt_path, load_cluster, write_gantt,
 )
-from torchweave.errors import Problem, TorchweaveError
-from torchweave.sim.hardware.collective_cost import BUCKET_BYTES
-
-
-@dataclass
-class OpRow:
-    node: str
-    op: str
-    partition: str
-    devices: str
-    comm: list[str]
-    comm_time: float
-    time: float
-    memory: int
-    stage: int | None = None
-    """Pipelined plans: the node's stage."""
-
-
-@dataclass
-class Explained:
-    result: Any
-    rows: list[OpRow]
-    collectives: dict[str, float]
-    """Collective event name → seconds (max over ranks)."""
-
-
-def _devices(devs: list[int]) -> str:
-    if not devs:
-        return "-"
-    uniq = sorted(set(devs))
-    if uniq == list(range(uniq[0], uniq[-1] + 1)) and len(uniq) > 2:
-        text = f"{uniq[0]}-{uniq[-1]}"
-    else:
-        text = ",".join(map(str, uniq))
-    return text if len(uniq) == len(devs) else f"{text} (x{len(devs) // len(uniq)})"
-
-
-def explain_plan(setup: Setup) -> Explained:
-    """Per-op partition, devices, communication, time and memory of one plan."""
-    from torchweave.lower import steps
-    from torchweave.sim.hardware.compute import ComputeModel
-    from torchweave.sim.step.build import Builder
-
-    plan, cluster = setup.plan, setup.cluster
-    if plan.world_size > cluster.size:  # before lowering: the plan must fit the cluster
-        raise TorchweaveError(Problem(
-            obj=f"plan {plan.name!r} world_size", value=str(plan.world_size),
-            rule=f"a plan must fit the cluster: {cluster} has {cluster.size} devices",
-            fix=f"use a cluster of at least {plan.world_size} devices, or a plan for {cluster.size}"))
-    from torchweave.sim.fast.symmetry import lower_programs
-
-    # One data-parallel replica lowered for all when the plan allows (sim/fast/symmetry.py);
-    # the communication each node gets is the same on every replica.
-    programs, _ = lower_programs(setup.graph, setup.plan, None)
-    result = _sim(setup)
-    model = ComputeModel.for_device(setup.cluster.device)
-    costs = Builder(setup.graph, setup.plan, setup.cluster, setup.dtype, model, BUCKET_BYTES).costs
-    # Collective time per event name: sum on each rank, max over ranks.
-    per_rank: dict[tuple[int, str], float] = defaultdict(float)
-    for e in result.timeline:
-        if e.stream == "comm":
-            per_rank[(e.rank, e.name)] += e.end - e.start
-    coll: dict[str, float] = {}
-    for (_, name), t in per_rank.items():
-        coll[name] = max(coll.get(name, 0.0), t)
-    inserted: dict[str, dict[str, None]] = defaultdict(dict)  # consumer → names, ordered
-    for prog in programs:
-        for c in prog.comms():
-            if c.consumer:
-                inserted[c.consumer][f"{steps.name_of(c.step)} {c.value}"] = None
-    stand_in = _folded_values(setup, result)
-
-    def seconds(name: str) -> float:
-        """A collective's time; in a folded model, blocks past the 4th read block 3's."""
-        kind, _, value = name.partition(" ")
-        alt = f"{kind} {stand_in.get(value, value)}"
-        return coll.get(name, coll.get(alt, 0.0)) + coll.get(name + " bwd", coll.get(alt + " bwd", 0.0))
-
-    rows = []
-    for node in setup.graph.nodes:
-        cost = costs[node.name]
-        names = list(inserted.get(node.name, {}))
-        rows.append(OpRow(
-            node=node.name, op=node.target.rsplit(".", 1)[0].removeprefix("aten."),
-            partition=" ".join(map(str, setup.plan.transforms(node.name))) or "whole",
-            devices=_devices(setup.plan.assignment.get(node.name, [])),
-            comm=names,
-            comm_time=sum(seconds(n) for n in names),
-            time=cost.fwd + cost.bwd, memory=sum(cost.out_bytes),
-            stage=setup.plan.pipeline.stage_of.get(node.name) if setup.plan.pipeline else None))
-    return Explained(result, rows, coll)
-
-
-def _folded_values(setup: Setup, result) -> dict[str, str]:
-    """When the simulation folded the model's blocks (sim/fast/fold.py): each value made in
-    a block past the 4th → the same value of block 3, the last one simulated."""
-    if not result.folded_blocks:
-        return {}
-    from torchweave.sim.fast.fold import find_blocks, made_in
-
-    blocks = find_blocks(setup.graph, setup.plan)
-    if blocks is None or len(blocks) < 5:
-        return {}
-    start = blocks.spans[3][0]
-    return {v: setup.graph.nodes[start + q].outputs[j]
-            for v, (b, q, j) in made_in(blocks, setup.graph).items() if b >= 4}
+from torchweave.sim.op_table import Explained, explain_plan
 
 
 def explain_cmd(args: argparse.Namespace, console: Console) -> int:
@@ -131,14 +24,14 @@ def explain_cmd(args: argparse.Namespace, console: Console) -> int:
     graph = _capture(args.model, args.meta)
     dtype = _dtype(args.dtype)
     plan = _plan_for(args.plan, graph, cluster, args.world_size)
-    mine = explain_plan(Setup(graph, plan, cluster, dtype))
+    mine = explain_plan(graph, plan, cluster, dtype=dtype)
     _op_table(mine, console, limit=None if args.all else 60)
     _top_costs(mine, console, k=args.top)
     fits = _fit(mine, cluster, console)
     write_gantt(mine.result, gantt_path(args, plan.name), console)
     if args.vs:
         other_plan = _plan_for(args.vs, graph, cluster, plan.world_size)
-        other = explain_plan(Setup(graph, other_plan, cluster, dtype))
+        other = explain_plan(graph, other_plan, cluster, dtype=dtype)
         _compare(mine, other, console, k=args.top)
     return 0 if fits else 1
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import time
 from rich.console import Console
@@ -11,11 +10,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from torchweave.runtime.launch import LaunchConfig, RankContext, init_from_env, spawn
+from torchweave.train import job
 from torchweave.train.auto import Choice
 from torchweave.train.config import CheckpointConfig, TrainConfig
 from torchweave.train.loading import load_config
-from torchweave.train.loop import RunResult, Trainer
+from torchweave.train.job import Chosen
+from torchweave.train.loop import RunResult
 from torchweave.train.plot import loss_png
 from torchweave.train.sample import sample_text
 
@@ -36,58 +36,28 @@ DEMO = {
 about 1 to 1.5 minutes on a 2-core machine."""
 
 
-def _under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def choose(cfg: TrainConfig, console: Console | None) -> tuple[str, str, Choice | None]:
-    """The plan to run (``auto`` resolved by the simulator), why, and the simulator's choice
-    (``None`` for a plan the config names); prints the plan table."""
-    import torch
-
-    from torchweave.api import capture
+def show_choice(cfg: TrainConfig, chosen: Chosen, console: Console) -> None:
+    """The model, the data and the plan table of the plan a job runs."""
     from torchweave.plan.show import plan_table, replication_note
     from torchweave.search import resolve
-    from torchweave.train.auto import search_plan
-    from torchweave.train.build import build_model
-    from torchweave.train.config import is_auto
-    from torchweave.train.data import Sampler, build_dataset
 
-    torch.manual_seed(cfg.seed)
-    dataset = build_dataset(cfg.data, cfg.seed)
-    model = build_model(cfg.model, vocab_size=getattr(dataset, "vocab_size", None),
-                        seq_len=cfg.data.seq_len)
-    batch = Sampler(dataset, cfg.parallel.global_batch, cfg.seed).next_batch()
-    k = cfg.parallel.grad_accum
-    graph = capture(model, tuple(x.chunk(k)[0] for x in batch))
-    plan, reason, choice = cfg.parallel.plan, "", None
-    if is_auto(plan):
-        choice = search_plan(graph, plan, cfg.parallel)
-        plan, reason = choice.plan, f"auto: {choice.reason}"
-    if console is not None:
-        n = sum(p.numel() for p in model.parameters())
-        model_text = escape(f"{cfg.model.hf} {cfg.model.config or ''}" if cfg.model.hf else
-                            f"{cfg.model.factory} {cfg.model.kwargs or ''}")
-        console.print(f"[bold]model[/] {model_text}: "
-                      f"{n / 1e6:.2f}M parameters, {len(graph.nodes)} ops; "
-                      f"[bold]data[/] {escape(str(cfg.data.kind))}, {len(dataset)} samples of "
-                      f"{cfg.data.seq_len} tokens", markup=True)
-        resolved = resolve(plan, graph, cfg.parallel.world_size)
-        console.print(f"[bold]plan[/] {escape(plan)} on {cfg.parallel.world_size} ranks"
-                      + (f"  ({escape(reason)})" if reason else ""), markup=True)
-        console.print(plan_table(resolved, graph, limit=12))
-        note = replication_note(resolved, graph)
-        if note:
-            console.print(note, highlight=False, markup=False)
-        if len(graph.nodes) > 12:
-            console.print(f"... {len(graph.nodes) - 12} more ops; "
-                          f"`torchweave plan` shows all of them")
-    return plan, reason, choice
-
-
-def _rank_main(ctx: RankContext, cfg: TrainConfig, plan: str, reason: str) -> RunResult:
-    trainer = Trainer(cfg, ctx, plan=plan, plan_reason=reason)
-    return trainer.run()
+    graph = chosen.graph
+    model_text = escape(f"{cfg.model.hf} {cfg.model.config or ''}" if cfg.model.hf else
+                        f"{cfg.model.factory} {cfg.model.kwargs or ''}")
+    console.print(f"[bold]model[/] {model_text}: "
+                  f"{chosen.parameters / 1e6:.2f}M parameters, {len(graph.nodes)} ops; "
+                  f"[bold]data[/] {escape(str(cfg.data.kind))}, {chosen.samples} samples of "
+                  f"{cfg.data.seq_len} tokens", markup=True)
+    resolved = resolve(chosen.plan, graph, cfg.parallel.world_size)
+    console.print(f"[bold]plan[/] {escape(chosen.plan)} on {cfg.parallel.world_size} ranks"
+                  + (f"  ({escape(chosen.reason)})" if chosen.reason else ""), markup=True)
+    console.print(plan_table(resolved, graph, limit=12))
+    note = replication_note(resolved, graph)
+    if note:
+        console.print(note, highlight=False, markup=False)
+    if len(graph.nodes) > 12:
+        console.print(f"... {len(graph.nodes) - 12} more ops; "
+                      f"`torchweave plan` shows all of them")
 
 
 def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float,
@@ -133,30 +103,20 @@ def summary(result: RunResult, cfg: TrainConfig, console: Console, took_s: float
 
 
 def run(cfg: TrainConfig, console: Console, *, timeout_s: float = 300.0) -> RunResult | None:
-    """Launch ``cfg`` here (N local processes) or join torchrun's job; rank 0 gets the result."""
+    """``torchweave train``'s run (:func:`torchweave.train.job.run`) with its plan table and
+    summary printed; rank 0 gets the result."""
     return _run(cfg, console, timeout_s=timeout_s)[0]
-
-
-def _launch(cfg: TrainConfig, timeout_s: float) -> LaunchConfig:
-    return LaunchConfig(world_size=cfg.parallel.world_size, timeout_s=timeout_s,
-                        threads_per_rank=cfg.threads_per_rank)
 
 
 def _run(cfg: TrainConfig, console: Console, *, timeout_s: float = 300.0
          ) -> tuple[RunResult | None, Choice | None]:
     t0 = time.perf_counter()
-    if _under_torchrun():
-        ctx = init_from_env(_launch(cfg, timeout_s))
-        plan, reason, choice = choose(cfg, console if ctx.rank == 0 else None)
-        result = _rank_main(ctx, cfg, plan, reason)
-        ctx.close()
-        if ctx.rank != 0:
-            return None, choice
-    else:
-        plan, reason, choice = choose(cfg, console)
-        result = spawn(_rank_main, _launch(cfg, timeout_s), cfg, plan, reason)[0]
-    summary(result, cfg, console, time.perf_counter() - t0, choice)
-    return result, choice
+    result, chosen = job.run(cfg, timeout_s=timeout_s,
+                             on_chosen=lambda c: show_choice(cfg, c, console))
+    if result is None:
+        return None, chosen.choice
+    summary(result, cfg, console, time.perf_counter() - t0, chosen.choice)
+    return result, chosen.choice
 
 
 def _runner_up(cfg: TrainConfig, choice: Choice, result: RunResult, console: Console,
@@ -164,13 +124,13 @@ def _runner_up(cfg: TrainConfig, choice: Choice, result: RunResult, console: Con
     """The search's choice beside its runner-up: predicted, and measured here (the runner-up
     for ``steps`` steps in a scratch directory)."""
     ranked = sorted(choice.predicted_s.items(), key=lambda kv: kv[1])
-    if len(ranked) < 2 or _under_torchrun():
+    if len(ranked) < 2 or job.under_torchrun():
         return
     other = ranked[1][0]
     with tempfile.TemporaryDirectory(prefix="torchweave-runner-up-") as tmp:
         short = dataclasses.replace(cfg, steps=steps, run_dir=tmp, resume=False,
                                     checkpoint=CheckpointConfig(every=0, keep=1))
-        measured = spawn(_rank_main, _launch(short, 300.0), short, other, "runner-up")[0]
+        measured = job.run_plan(short, other, "runner-up")
     table = Table(title=f"the search's choice and its runner-up on {choice.cluster}",
                   title_justify="left")
     for col in ("plan", "predicted step", "measured step (median)", "predicted / measured"):
@@ -220,4 +180,4 @@ def demo_run(args, console: Console) -> int:
     return demo_cmd(args.extra, console)
 
 
-__all__ = ["DEMO", "choose", "demo_cmd", "run", "summary", "train_cmd"]
+__all__ = ["DEMO", "demo_cmd", "run", "show_choice", "summary", "train_cmd"]

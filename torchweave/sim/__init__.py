@@ -12,7 +12,10 @@ Four packages, each importing only those below it (docs/simulator.md, "Pieces"):
 - :mod:`~torchweave.sim.fast`: the fast paths at scale (one replica for all,
   folded blocks, pipeline stages simulated once);
 
-and :func:`~torchweave.sim.simulate.simulate` on top, which picks the path.
+and :func:`~torchweave.sim.simulate.simulate` on top, which picks the path;
+:func:`~torchweave.sim.op_table.explain_plan` (``torchweave explain``'s table) reads a
+simulation per op. :func:`~torchweave.sim.hardware.calibrate.calibrate` measures this
+machine as a cluster (``torchweave calibrate``).
 """
 
 from torchweave.sim.hardware.cluster import (
@@ -30,14 +33,16 @@ from torchweave.sim.step.schedule import PipelineStep, StageCost, simulate_sched
 from torchweave.sim.hardware.profile import OpProfiles, profile_graph
 from torchweave.sim.simulate import MemoryUse, OutOfMemory, SimResult, simulate
 from torchweave.sim.explain.trace import save_gantt_png, to_chrome_trace
+from torchweave.sim.hardware.calibrate import calibrate
+from torchweave.sim.op_table import Explained, OpRow, explain_plan
 
 __all__ = [
     "CATALOG", "Algorithm", "Cluster", "Collective", "CommCost", "ComputeModel", "Device", "Event",
-    "Link", "MemoryUse", "ModelStateMemory", "OpProfiles", "OpTime", "OutOfMemory", "Peak",
+    "Explained", "Link", "MemoryUse", "OpRow", "ModelStateMemory", "OpProfiles", "OpTime", "OutOfMemory", "Peak",
     "PipelineStep", "SimResult", "StageCost",
-    "cluster_from_dict", "cluster_of", "cluster_to_dict",
+    "calibrate", "cluster_from_dict", "cluster_of", "cluster_to_dict",
     "collective_of", "collective_options", "collective_time", "dtype_of", "dump_cluster_yaml",
-    "flat_time", "load_cluster_yaml", "lookup", "model_state_memory", "op_time", "parse_cluster",
+    "explain_plan", "flat_time", "load_cluster_yaml", "lookup", "model_state_memory", "op_time", "parse_cluster",
     "profile_graph", "roofline", "save_gantt_png", "simulate", "simulate_schedule",
     "to_chrome_trace",
 ]
