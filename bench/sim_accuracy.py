@@ -116,14 +116,14 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int, profile) -> dict[str,
 
     # One more step, split: activations saved during its forward, model state after backward.
     exclude = {p.untyped_storage().data_ptr() for p in module.params.values()}
-    if module.opt is not None:
-        exclude.add(module.opt.master.untyped_storage().data_ptr())
+    if module.zero_opt is not None:
+        exclude.add(module.zero_opt.master.untyped_storage().data_ptr())
     seen: dict[int, int] = {}
     record = _saved_bytes_hooks(exclude, seen)
-    if module.opt is not None and module.opt.stage >= 3:
+    if module.zero_opt is not None and module.zero_opt.stage >= 3:
         # ZeRO-3 installs its own pack hook (innermost wins): wrap it, and count what
         # it leaves as a plain tensor (its gathered units are parameters).
-        inner = module.opt.saved_tensor_hooks
+        inner = module.zero_opt.saved_tensor_hooks
 
         def composed(cast, _inner=inner):
             h = _inner(cast)
@@ -136,7 +136,7 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int, profile) -> dict[str,
 
             return torch.autograd.graph.saved_tensors_hooks(pack, h.unpack_hook)
 
-        module.opt.saved_tensor_hooks = composed
+        module.zero_opt.saved_tensor_hooks = composed
         module.backward_step(*batch)
     else:
         # Saved storages alive at once, at the peak: each saved tensor is held by a

@@ -62,6 +62,33 @@ def test_batch_arithmetic_is_shown(tmp_path: Path) -> None:
                           global_batch=4).dp == 1
 
 
+def test_a_saved_plans_data_parallel_degree_comes_from_its_mesh(tmp_path: Path) -> None:
+    """A plan.json is read as data (Plan.from_json): its mesh's dp and ep axes are the ranks
+    that see different samples; a tensor-parallel plan is not data parallel over the world."""
+    from tests.conftest import captured
+    from torchweave.policies import resolve
+
+    graph = captured("gpt-tiny")
+    for name, text, dp in [("tp", "tp", 1), ("dp", "dp", 2), ("tp-dp", "tp:tp=2,dp=2", 2)]:
+        world = 4 if name == "tp-dp" else 2
+        path = tmp_path / f"{name}.json"
+        path.write_text(resolve(text, graph, world).to_json())
+        cfg = ParallelConfig(plan=str(path), world_size=world, micro_batch=2, global_batch=2 * dp)
+        assert cfg.dp == dp, name
+    with pytest.raises(ConfigError) as info:  # the tp plan: global_batch says dp = 2
+        ParallelConfig(plan=str(tmp_path / "tp.json"), world_size=2, micro_batch=2, global_batch=4)
+    assert "dp(1)" in str(info.value) and "its mesh dp=1×tp=2 has dp = 1" in str(info.value)
+    for bad, rule in [("{", "a plan JSON file"), ('{"version": 99}', "version 99"),
+                      ("__import__('os')", "a plan JSON file")]:
+        path = tmp_path / "bad.json"
+        path.write_text(bad)
+        with pytest.raises(ConfigError) as info:
+            ParallelConfig(plan=str(path), world_size=2, micro_batch=2, global_batch=4)
+        assert "parallel.plan" in str(info.value) and rule in str(info.value), str(info.value)
+    with pytest.raises(ConfigError, match="a plan.json that can be read"):
+        ParallelConfig(plan=str(tmp_path / "missing.json"), world_size=2)
+
+
 def test_a_plan_strings_accum_sets_grad_accum() -> None:
     cfg = ParallelConfig(plan="dp:accum=2", world_size=2, micro_batch=2, global_batch=8)
     assert cfg.grad_accum == 2 and cfg.dp == 2

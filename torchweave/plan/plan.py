@@ -67,7 +67,11 @@ class Plan:
     world_size: int
     name: str = "plan"
     mesh: Mesh | None = None
-    """Names for device groups (``dp``, ``tp``); informative, for printing."""
+    """The named device axes the plan was built over (``dp``, ``tp``, ``pp``, ``ep``), row-major
+    over ranks. Not only for printing: validation checks layouts against it, ZeRO's groups
+    are ``mesh.groups(zero_axis)``, and the trainer reads the data-parallel degree from its
+    ``dp`` and ``ep`` axes (the ranks that see different samples). ``None``: a plan with no
+    regular axes (random, interlaced, hand-built)."""
     trans: dict[str, list[Trans]] = field(default_factory=dict)
     assignment: dict[str, list[int]] = field(default_factory=dict)
     """node → device of each piece, in row-major piece order."""

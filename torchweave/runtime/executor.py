@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torchweave.lower.units import read_paths
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import ParamSlot, Program
+from torchweave.runtime import train_state
 from torchweave.runtime.gradsync import GradSync
 from torchweave.runtime.user import UserLoop
 from torchweave.runtime.groups import GroupCache
@@ -95,7 +96,12 @@ def slice_box(t: torch.Tensor, box) -> torch.Tensor:
 
 class RankModule(UserLoop):
     """One rank's share of the parallel model: ``train_step(*batch)``, or the user's own loop
-    (``pm(*batch)``, ``loss.backward()``; :mod:`torchweave.runtime.user`)."""
+    (``pm(*batch)``, ``loss.backward()``; :mod:`torchweave.runtime.user`).
+
+    Two optimizers at most: ``zero_opt``, ZeRO's over the pieces it shards (``None``
+    without ZeRO), and ``optimizer``, the torch optimizer of every other trainable piece
+    (``None`` if there is none). Callers use :meth:`optimizers`, :meth:`optimizer_step`,
+    :meth:`zero_grads` and the checkpoint methods below, not either one directly."""
 
     def __init__(self, program: Program, code_path: str, state: dict[str, torch.Tensor],
                  group_cache: GroupCache, *, optimizer: OptimizerFactory = default_optimizer,
@@ -119,12 +125,12 @@ class RankModule(UserLoop):
         trainable = [(self.params[s.path], s) for s in program.params
                      if s.requires_grad and not s.is_buffer]
         synced = [(p, s.grad_groups[0]) for p, s in trainable if s.grad_groups]
-        self.opt = None
+        self.zero_opt = None
         if zero:
-            self.opt = ZeroOptimizer(group_cache, trainable, zero_group, stage=zero, factory=optimizer,
+            self.zero_opt = ZeroOptimizer(group_cache, trainable, zero_group, stage=zero, factory=optimizer,
                                      order=read_paths(program))
-            synced = [(p, g) for p, g in synced if not self.opt.owns(p)]
-        rest = [p for p, _ in trainable if self.opt is None or not self.opt.owns(p)]
+            synced = [(p, g) for p, g in synced if not self.zero_opt.owns(p)]
+        rest = [p for p, _ in trainable if self.zero_opt is None or not self.zero_opt.owns(p)]
         self.optimizer = optimizer(rest) if rest else None
         self.sync = GradSync(group_cache, synced, bucket_bytes=int(config.bucket_mb * 2**20),
                              overlap=config.overlap)
@@ -138,22 +144,22 @@ class RankModule(UserLoop):
 
     def param_view(self) -> Any:
         """What generated code reads as ``p``: path → piece, cast (ZeRO-3: gathered on use)."""
-        if self.opt is None:
+        if self.zero_opt is None:
             return {k: self._cast(v) for k, v in self.params.items()}
-        return self.opt.view(self.params, self._cast)
+        return self.zero_opt.view(self.params, self._cast)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | None:
         """This rank's forward pass; its local loss term (or None)."""
         inputs = tuple(self._cast(x.to(self.rt.device)) for x in inputs)
         self.rt.send_roots = []
         params = self.param_view()
-        if self.opt is None or self.opt.stage < 3:
+        if self.zero_opt is None or self.zero_opt.stage < 3:
             return self.code.forward(self.rt, params, *inputs)
         try:
-            with self.opt.saved_tensor_hooks(self._cast):
+            with self.zero_opt.saved_tensor_hooks(self._cast):
                 return self.code.forward(self.rt, params, *inputs)
         finally:
-            self.opt.end_forward()
+            self.zero_opt.end_forward()
 
     def train_step(self, *batch: torch.Tensor) -> float:
         """Forward, backward, gradient sync, clipping and optimizer step; the loss.
@@ -184,21 +190,21 @@ class RankModule(UserLoop):
             if loss is not None:  # kept on the device: no wait for the value here
                 total = total + loss.detach().double()
         self.sync.finish()
-        if self.opt is not None:
-            self.opt.finish_grads()
+        if self.zero_opt is not None:
+            self.zero_opt.finish_grads()
         if self.config.clip_grad_norm is not None:
             self.clip(self.config.clip_grad_norm)
         return self.loss_start(total / k)
 
     def set_optimizer(self, factory: OptimizerFactory) -> None:
         """Build this rank's optimizers anew with ``factory`` (ZeRO's shard and the other pieces)."""
-        if self.opt is not None:
-            self.opt.inner = factory([self.opt.master])
-        rest = [p for p, _ in self.trainable if self.opt is None or not self.opt.owns(p)]
+        if self.zero_opt is not None:
+            self.zero_opt.inner = factory([self.zero_opt.master])
+        rest = [p for p, _ in self.trainable if self.zero_opt is None or not self.zero_opt.owns(p)]
         self.optimizer = factory(rest) if rest else None
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in (self.opt.inner if self.opt is not None else None, self.optimizer)
+        return [o for o in (self.zero_opt.inner if self.zero_opt is not None else None, self.optimizer)
                 if o is not None]
 
     def memory(self) -> int:
@@ -208,8 +214,8 @@ class RankModule(UserLoop):
         seen: set[int] = set()
         tensors = [t for p in self.params.values() for t in (p, p.grad)]
         tensors += [b.flat for b in self.sync.buckets]  # kept between steps, grads or not
-        if self.opt is not None:
-            tensors += [self.opt.master, self.opt.master.grad]
+        if self.zero_opt is not None:
+            tensors += [self.zero_opt.master, self.zero_opt.master.grad]
         tensors += [v for opt in self.optimizers() for st in opt.state.values() for v in st.values()]
         total = 0
         for t in tensors:
@@ -219,8 +225,8 @@ class RankModule(UserLoop):
         return total
 
     def optimizer_step(self) -> None:
-        if self.opt is not None:
-            self.opt.step()
+        if self.zero_opt is not None:
+            self.zero_opt.step()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -247,10 +253,10 @@ class RankModule(UserLoop):
     def grad_norm(self) -> float:
         """The global gradient norm: each distinct piece counted once."""
         sq = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        if self.opt is not None:
-            sq += self.opt.grad_sq_norm()
+        if self.zero_opt is not None:
+            sq += self.zero_opt.grad_sq_norm()
         for p, slot in self.trainable:
-            if p.grad is not None and (self.opt is None or not self.opt.owns(p)):
+            if p.grad is not None and (self.zero_opt is None or not self.zero_opt.owns(p)):
                 sq += p.grad.double().pow(2).sum() / slot.replicas
         if self.program.world_size > 1:
             dist.all_reduce(sq)
@@ -263,19 +269,36 @@ class RankModule(UserLoop):
             for p, _ in self.trainable:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-            if self.opt is not None:
-                self.opt.scale_grads(scale)
+            if self.zero_opt is not None:
+                self.zero_opt.scale_grads(scale)
         return norm
+
+    # ------------------------------------------------------------ checkpoint state
+    # by (parameter path, box) key: runtime/train_state.py
+    def optimizer_state(self) -> train_state.OptimizerState:
+        return train_state.optimizer_state(self)
+
+    def zero_spans(self) -> dict[str, Any] | None:
+        return train_state.zero_spans(self)
+
+    def held_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return train_state.held_shapes(self)
+
+    def load_held(self, tensors: dict[str, torch.Tensor], groups: dict[str, list]) -> None:
+        train_state.load_held(self, tensors, groups)
+
+    def load_full(self, full: dict[str, torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
+        train_state.load_full(self, full, state)
 
     def state_pieces(self) -> dict[str, tuple[Any, torch.Tensor]]:
         """Path → (box, current local piece), with ZeRO shards gathered."""
-        params = self.opt.full_params(self.params) if self.opt is not None else self.params
+        params = self.zero_opt.full_params(self.params) if self.zero_opt is not None else self.params
         return {path: (self.slots[path].box, t.detach()) for path, t in params.items()}
 
     def grad_pieces(self) -> dict[str, tuple[Any, torch.Tensor | None]]:
         """Path → (box, a copy of the current local gradient): a summed gradient is a view into
         its bucket, which the next step's sum overwrites."""
-        grads = self.opt.full_grads(self.params) if self.opt is not None else {
+        grads = self.zero_opt.full_grads(self.params) if self.zero_opt is not None else {
             k: v.grad for k, v in self.params.items()}
         return {path: (self.slots[path].box, None if g is None else g.detach().clone())
                 for path, g in grads.items()}
@@ -284,9 +307,9 @@ class RankModule(UserLoop):
         """Set each piece this rank holds from whole tensors by path (absent paths stay)."""
         with torch.no_grad():
             for path, t in self.params.items():
-                if path in fulls and (self.opt is None or not self.opt.owns(t)):
+                if path in fulls and (self.zero_opt is None or not self.zero_opt.owns(t)):
                     t.copy_(slice_box(fulls[path], self.slots[path].box))
-            if self.opt is not None:
+            if self.zero_opt is not None:
                 boxes = {path: self.slots[path].box for path in self.params}
-                self.opt.load_pieces(self.params, {
+                self.zero_opt.load_pieces(self.params, {
                     path: slice_box(full, boxes[path]) for path, full in fulls.items() if path in boxes})

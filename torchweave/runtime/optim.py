@@ -68,8 +68,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.module.check_synced("optimizer.step()")
         self.push_options()
         m = self.module
-        if m.opt is not None:
-            m.opt.step(zero_grad=False)
+        if m.zero_opt is not None:
+            m.zero_opt.step(zero_grad=False)
         if m.optimizer is not None:
             m.optimizer.step()
 

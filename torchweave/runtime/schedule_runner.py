@@ -179,8 +179,8 @@ class PipelineModule(RankModule):
         self._pending = []
         self.stats.wall_s = time.perf_counter() - start
         self.sync.finish()
-        if self.opt is not None:
-            self.opt.finish_grads()
+        if self.zero_opt is not None:
+            self.zero_opt.finish_grads()
         if self.config.clip_grad_norm is not None:
             self.clip(self.config.clip_grad_norm)
         return self._reported_loss()

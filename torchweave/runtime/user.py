@@ -193,13 +193,13 @@ class UserLoop:
     def _after_backward(self: "RankModule") -> None:
         """End of a backward pass (queued on the autograd engine): the gradient sync."""
         if not self._syncing:
-            if self.opt is not None and self.opt.stage3 is not None:
-                self.opt.stage3.finish_grads()  # its reduce-scatters ran anyway: wait for them
+            if self.zero_opt is not None and self.zero_opt.stage3 is not None:
+                self.zero_opt.stage3.finish_grads()  # its reduce-scatters ran anyway: wait for them
             self._unsynced = True
             return
         self.sync.finish()
-        if self.opt is not None:
-            self.opt.finish_grads()
+        if self.zero_opt is not None:
+            self.zero_opt.finish_grads()
         self._restore_set_aside()
         self._unsynced = False
 
@@ -226,8 +226,8 @@ class UserLoop:
         """Drop every gradient this rank holds (pieces, and ZeRO's master shard)."""
         for p in self.params.values():
             p.grad = None
-        if self.opt is not None:
-            self.opt.master.grad = None
+        if self.zero_opt is not None:
+            self.zero_opt.master.grad = None
         self._synced, self._set_aside, self._unsynced = False, None, False
 
     # ------------------------------------------------------------ checks
@@ -254,7 +254,7 @@ class UserLoop:
 
             mine = [(s.path, s.box) for s in self.program.params]
             if [(s.path, s.box) for s in program.params] != mine or (
-                    self.opt is not None and read_paths(program) != read_paths(self.program)):
+                    self.zero_opt is not None and read_paths(program) != read_paths(self.program)):
                 raise TorchweaveError(Problem(
                     obj=f"plan {self.program.plan_name!r}", value=f"batch shapes {shapes}",
                     rule="a batch of other shapes runs the same plan with its parameters laid "

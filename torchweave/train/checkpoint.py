@@ -35,7 +35,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.runtime.executor import RankModule
+from torchweave.runtime.train_state import OptimizerState, box_str, piece_key
 
 FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -55,16 +56,6 @@ _META = "torchweave.json"
 
 class CheckpointError(TorchweaveError):
     """A checkpoint that cannot be written, or cannot be loaded into this model."""
-
-
-@dataclass
-class OptimizerState:
-    """Optimizer state of one rank, as flat tensors and JSON hyper-parameters."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """DCP keys (``optim/...``, ``zero/...``) → tensors."""
-    groups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """``optimizer`` / ``zero`` → its ``param_groups`` without the parameters."""
 
 
 @dataclass
@@ -80,84 +71,9 @@ class Restored:
     """False when the checkpoint was written under another plan or world size."""
 
 
-# ---------------------------------------------------------------- keys
-def box_str(box: Any) -> str:
-    return ",".join(f"{a}:{b}" for a, b in box)
-
-
-def piece_key(path: str, box: Any) -> str:
-    return f"{path}@{box_str(box)}"
-
-
-def _num_key(name: str, value: Any) -> tuple[str, torch.Tensor] | None:
-    """A non-tensor optimizer state entry as a tensor, its type kept in the name."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, int):
-        return f"{name}#int", torch.tensor(float(value), dtype=torch.float64)
-    if isinstance(value, float):
-        return f"{name}#float", torch.tensor(value, dtype=torch.float64)
-    return None
-
-
-def _state_tensors(prefix: str, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, v in state.items():
-        if isinstance(v, torch.Tensor):
-            out[f"{prefix}/{name}"] = v.detach()
-        elif (kv := _num_key(name, v)) is not None:
-            out[f"{prefix}/{kv[0]}"] = kv[1]
-    return out
-
-
-def _json_groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    groups = []
-    for g in opt.param_groups:
-        entry = {}
-        for k, v in g.items():
-            if k == "params":
-                continue
-            try:
-                json.dumps(v)
-            except TypeError:
-                continue
-            entry[k] = v
-        groups.append(entry)
-    return groups
-
-
 def optimizer_state(module: RankModule) -> OptimizerState:
     """This rank's optimizer state, keyed by piece (or by ZeRO member)."""
-    out = OptimizerState()
-    if module.optimizer is not None:
-        paths = {id(t): p for p, t in module.params.items()}
-        for p, st in module.optimizer.state.items():
-            path = paths[id(p)]
-            out.tensors.update(_state_tensors(
-                f"optim/{piece_key(path, module.slots[path].box)}", st))
-        out.groups["optimizer"] = _json_groups(module.optimizer)
-    if module.opt is not None:
-        prefix = f"zero/rank{module.program.rank}"
-        out.tensors[f"{prefix}/master"] = module.opt.master.detach()
-        out.tensors.update(_state_tensors(prefix, module.opt.inner.state.get(module.opt.master, {})))
-        out.groups["zero"] = _json_groups(module.opt.inner)
-    return out
-
-
-def zero_spans(module: RankModule) -> dict[str, Any] | None:
-    """Which spans of this ZeRO member's flat shard hold which piece: for ``rank<r>.json``."""
-    opt = module.opt
-    if opt is None:
-        return None
-    paths = {id(t): p for p, t in module.params.items()}
-    lay = opt.layout
-    owned = [[paths[id(t)], [list(r) for r in module.slots[paths[id(t)]].box]] for t in opt.owned]
-    spans = []
-    for a, b, i in lay.segments(opt.index):
-        u = lay.unit_of[i]
-        off = a - lay.starts[u] + opt.index * lay.cols[u] - lay.offsets[i]
-        spans.append([a, b, i, off])
-    return {"owned": owned, "spans": spans}
+    return module.optimizer_state()
 
 
 
@@ -268,7 +184,7 @@ def save(module: RankModule, optimizer_state_: OptimizerState | None, step: int,
                           "dtype": str(t.dtype).removeprefix("torch.")}
                    for path, (box, t) in pieces.items()},
         "optimizer_groups": opt.groups,
-        "zero": zero_spans(module),
+        "zero": module.zero_spans(),
         "extra": json_extra,
         "extra_tensors": sorted(k for k, v in (extra or {}).items() if isinstance(v, torch.Tensor)),
     }
@@ -337,6 +253,6 @@ def _fsync_dir(path: Path) -> None:
 
 
 __all__ = [
-    "CheckpointError", "OptimizerState", "Restored", "checkpoints", "latest", "optimizer_state",
-    "save", "zero_spans",
+    "CheckpointError", "OptimizerState", "Restored", "box_str", "checkpoints", "latest",
+    "optimizer_state", "piece_key", "save",
 ]

@@ -160,15 +160,39 @@ class ScheduleConfig:
 
 
 def _plan_dp(plan: str, world_size: int) -> tuple[int, str]:
-    """The data-parallel degree a plan string implies, and how (for error messages); a bad
-    plan string is a :class:`ConfigError` on ``parallel.plan``."""
+    """The data-parallel degree a plan string or plan.json implies, and how (for error
+    messages); a bad plan string or file is a :class:`ConfigError` on ``parallel.plan``."""
     if plan.endswith(".json"):
-        return world_size, f"plan {plan!r}: dp = world_size"
+        return _saved_plan_dp(plan, world_size)
     try:
         spec = PlanSpec.parse(plan)
     except TorchweaveError as e:
         raise ConfigError([dataclasses.replace(p, obj=f"parallel.plan: {p.obj}") for p in e.problems]) from None
     return spec.dp(world_size), f"plan {plan!r}: dp = {spec.dp(world_size)}"
+
+
+def _saved_plan_dp(path: str, world_size: int) -> tuple[int, str]:
+    """A saved plan's data-parallel degree: the product of its mesh's ``dp`` and ``ep`` axes
+    (the ranks that see different samples); a plan without a mesh, ``world_size``."""
+    from torchweave.plan.plan import Plan
+
+    try:
+        saved = Plan.from_json(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(Problem(
+            obj="parallel.plan", value=repr(path), rule=f"a plan.json that can be read ({e.strerror})",
+            fix="check the path, or write one: torchweave plan MODEL --plan tp --out plan.json")) from None
+    except TorchweaveError as e:
+        raise ConfigError([dataclasses.replace(p, obj=f"parallel.plan: {p.obj}") for p in e.problems]) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(Problem(
+            obj="parallel.plan", value=repr(path), rule=f"a plan JSON file ({type(e).__name__}: {e})",
+            fix="write it with torchweave plan ... --out, or Plan.to_json()")) from None
+    if saved.mesh is None:
+        return world_size, f"plan {path!r} has no mesh: dp = world_size"
+    axes = dict(saved.mesh.axes)
+    dp = axes.get("dp", 1) * axes.get("ep", 1)
+    return dp, f"plan {path!r}: its mesh {saved.mesh} has dp = {dp}"
 
 
 def is_auto(plan: str) -> bool:
@@ -185,7 +209,8 @@ class ParallelConfig:
     such as ``zero3:recompute=full``, ``tp:tp=2,zero=1`` or
     ``1f1b:micro=8,dp=2,tp=2,recompute=selective`` (all of them:
     ``torchweave.policies.spec``; a pipeline cuts each ``micro_batch`` batch into its
-    micro-batches), a plan.json path (taken as data-parallel over the world),
+    micro-batches), a plan.json path (its data-parallel degree read from its mesh's ``dp`` and ``ep``
+    axes; world_size if it has no mesh),
     or ``auto`` (``auto:preset=megatron``): the plan the search (``torchweave.search``)
     predicts fastest on this machine among those that fit, with the data-parallel
     degree the batch sizes give and the rest of the ranks split by tensor and

@@ -125,26 +125,7 @@ def apply_resharded(module: RankModule, ranks: list[dict[str, Any]],
                     got: dict[str, torch.Tensor]) -> None:
     """Cut this rank's pieces, optimizer state and ZeRO shard out of the assembled tensors."""
     full, state = _assemble(module, ranks, got)
-    opt = module.opt
-    stage3 = opt is not None and opt.stage == 3
-    with torch.no_grad():
-        for p, t in module.params.items():
-            if not (stage3 and opt.owns(t)):
-                t.copy_(full[p][_sl(module.slots[p].box)])
-        if module.optimizer is not None:
-            mine = {id(x) for g in module.optimizer.param_groups for x in g["params"]}
-            for p, t in module.params.items():
-                st = state.get(p)
-                if st and id(t) in mine:
-                    box = _sl(module.slots[p].box)
-                    module.optimizer.state[t] = {
-                        k: (v[box].clone() if v.dim() else v.clone()) for k, v in st.items()}
-        if opt is not None:
-            owned = [p for p, t in module.params.items() if opt.owns(t)]
-            box = {p: _sl(module.slots[p].box) for p in owned}
-            opt.load_state(module.params, {p: full[p][box[p]] for p in owned},
-                           {p: {k: (v[box[p]] if v.dim() else v) for k, v in state.get(p, {}).items()}
-                            for p in owned})
+    module.load_full(full, state)
 
 
 __all__ = ["apply_resharded", "reads"]

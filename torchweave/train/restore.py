@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torchweave.errors import Problem
 from torchweave.runtime.executor import RankModule
+from torchweave.runtime.train_state import set_groups
 
 from torchweave.train.reshard import apply_resharded, reads
 from torchweave.train.checkpoint import (
@@ -33,7 +34,6 @@ from torchweave.train.checkpoint import (
     _world,
     checkpoints,
     latest,
-    piece_key,
 )
 
 
@@ -182,13 +182,12 @@ def load(path: str | os.PathLike, module: RankModule) -> Restored:
         _agree(error, "checkpoint load")
         groups = ranks[0].get("optimizer_groups", {})
         saved = groups.get("optimizer") or groups.get("zero") or []
-        for opt in (module.optimizer, module.opt.inner if module.opt is not None else None):
-            if opt is not None:
-                _set_groups(opt, saved)
+        for opt in module.optimizers():
+            set_groups(opt, saved)
         return Restored(step=int(meta["step"]), path=path, extra=dict(ranks[0].get("extra", {})),
                         same_layout=False)
-    _apply(module, plan_tensors, ranks[rank])
     info = ranks[rank]
+    module.load_held(plan_tensors, info.get("optimizer_groups", {}))
     extra: dict[str, Any] = dict(info.get("extra", {}))
     for k in info.get("extra_tensors", []):
         extra[k] = plan_tensors[f"extra/rank{rank}/{k}"]
@@ -201,13 +200,14 @@ def _same_layout(module: RankModule, meta: dict[str, Any], md: Metadata, rank: i
     if int(meta["world_size"]) != world:
         return False
     sdm = md.state_dict_metadata
-    if any(f"param/{piece_key(p, s.box)}" not in sdm for p, s in module.slots.items()):
-        return False
-    if module.opt is not None:
-        item = sdm.get(f"zero/rank{rank}/master")
-        return isinstance(item, TensorStorageMetadata) and \
-            tuple(item.size) == tuple(module.opt.master.shape)
-    return not any(k.startswith(f"zero/rank{rank}/") for k in sdm)
+    held = module.held_shapes()
+    for key, (shape, _) in held.items():
+        item = sdm.get(key)
+        if item is None or (key.startswith("zero/") and not (
+                isinstance(item, TensorStorageMetadata) and tuple(item.size) == shape)):
+            return False
+    zero = f"zero/rank{rank}/"
+    return any(k.startswith(zero) for k in held) or not any(k.startswith(zero) for k in sdm)
 
 
 def load_latest(directory: str | os.PathLike, module: RankModule) -> Restored | None:
@@ -231,72 +231,18 @@ def _templates(module: RankModule, path: Path, meta: dict[str, Any], md: Metadat
                                  f"expected {tuple(like.shape)}")
         out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
 
-    for p, slot in module.slots.items():  # not state_pieces(): that is collective under ZeRO-3
-        box = slot.box
-        t = torch.empty([b - a for a, b in box], dtype=module.params[p].dtype)
-        key = f"param/{piece_key(p, box)}"
-        add(key, t)
+    for key, (shape, dtype) in module.held_shapes().items():  # local, unlike state_pieces()
+        add(key, torch.empty(shape, dtype=dtype))
+        # a piece's optimizer state is under optim/<piece>/, the ZeRO shard's beside its master
+        state = ("optim/" + key.removeprefix("param/") + "/" if key.startswith("param/")
+                 else key.removesuffix("master"))
         for k in sdm:
-            if k.startswith(f"optim/{piece_key(p, box)}/"):
-                add(k)
-    if module.opt is not None:
-        prefix = f"zero/rank{rank}/"
-        add(prefix + "master", module.opt.master)
-        for k in sdm:
-            if k.startswith(prefix) and k != prefix + "master":
+            if k.startswith(state) and k != key:
                 add(k)
     for k in sdm:
         if k.startswith(f"extra/rank{rank}/"):
             add(k)
     return out
-
-
-def _apply(module: RankModule, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
-    groups = info.get("optimizer_groups", {})
-    stage3 = module.opt is not None and module.opt.stage == 3
-    with torch.no_grad():
-        for p, t in module.params.items():
-            if stage3 and module.opt.owns(t):
-                continue  # held as the master shard
-            t.copy_(tensors[f"param/{piece_key(p, module.slots[p].box)}"])
-        if module.optimizer is not None:
-            for p, t in module.params.items():
-                prefix = f"optim/{piece_key(p, module.slots[p].box)}/"
-                st = _state_from(tensors, prefix)
-                if st:
-                    module.optimizer.state[t] = st
-            _set_groups(module.optimizer, groups.get("optimizer", []))
-        if module.opt is not None:
-            prefix = f"zero/rank{module.program.rank}/"
-            module.opt.master.copy_(tensors[prefix + "master"])
-            st = _state_from(tensors, prefix, skip="master")
-            if st:
-                module.opt.inner.state[module.opt.master] = st
-            _set_groups(module.opt.inner, groups.get("zero", []))
-
-
-def _state_from(tensors: dict[str, torch.Tensor], prefix: str, skip: str = "") -> dict[str, Any]:
-    st: dict[str, Any] = {}
-    for k, v in tensors.items():
-        if not k.startswith(prefix):
-            continue
-        name = k[len(prefix):]
-        if name == skip or "/" in name:
-            continue
-        if name.endswith("#int"):
-            st[name[:-4]] = int(v.item())
-        elif name.endswith("#float"):
-            st[name[:-6]] = float(v.item())
-        else:
-            st[name] = v
-    return st
-
-
-def _set_groups(opt: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
-    for group, entry in zip(opt.param_groups, saved):
-        for k, v in entry.items():
-            if k in group:
-                group[k] = tuple(v) if isinstance(group[k], tuple) and isinstance(v, list) else v
 
 
 __all__ = ["load", "load_latest"]
