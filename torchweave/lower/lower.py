@@ -21,6 +21,7 @@ from torchweave.lower.pieces import (
 from torchweave.lower.program import (
     Comm, Compute, InputSlot, LocalRef, ParamSlot, Program, RecycleLink,
 )
+from torchweave.lower.op_order import ordered_nodes
 from torchweave.lower.stages import insert_frees, split_stages
 from torchweave.lower.steps import Box, Group, devices_of, name_of
 from torchweave.ops import info
@@ -60,7 +61,7 @@ class Lowering:
     def run(self) -> list[Program]:
         self._plan_params()
         self._place_inputs()
-        nodes, i = self.graph.nodes, 0
+        nodes, i = ordered_nodes(self.graph, self.plan), 0  # op-order: lower/op_order.py
         while i < len(nodes):
             key = coshard_key(self.plan, nodes[i].name)
             if key is None:

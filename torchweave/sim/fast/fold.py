@@ -46,6 +46,8 @@ class Blocks:
 
 def find_blocks(graph: Graph, plan: Plan, least: int = 6) -> Blocks | None:
     """The model's identical repeated blocks under ``plan`` (at least ``least``), or None."""
+    if plan.orders:  # op-orders may differ between blocks: no block stands in for another
+        return None
     keys = []
     for node in graph.nodes:
         m = _NUMBERED.match(node.module or "")

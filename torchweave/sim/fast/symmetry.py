@@ -65,6 +65,8 @@ def lift_group(rep: Replicas, group: tuple[int, ...]) -> tuple[int, ...] | None:
 def find_replicas(plan: Plan, nodes: list[str]) -> Replicas | None:
     """The replica symmetry of ``plan`` (see the module docstring), or None."""
     w = plan.world_size
+    if plan.orders:  # replicas may be ordered differently: simulate each (exact path)
+        return None
     first = {t[0].parts for n in nodes if (t := plan.transforms(n))}
     if len(first) != 1 or any(not plan.transforms(n) for n in nodes):
         return None
