@@ -137,6 +137,10 @@ def test_expert_parallelism_splits_the_experts_and_matches_one_device() -> None:
     for report in reports[:3]:
         assert not report.replicated, report.replicated  # the experts' einsums are split
     # ep=4: each rank's partial dispatch is reduce-scattered to the experts' owners, one per
-    # MoE layer (with dp=2 as well, the sum also runs over dp: an all-reduce, then each keeps
-    # its experts)
+    # MoE layer. With dp=2 as well, the sum runs over dp too: a reduce-scatter within each
+    # ep pair, then one across dp (experts by ep, their slots by dp), with no all-reduce of
+    # the whole dispatch and no point-to-point for the combine.
     assert reports[0].comm.get("reduce_scatter/fwd", 0) >= 2, reports[0].comm
+    for report in reports[1:3]:
+        assert report.comm.get("reduce_scatter/fwd", 0) >= 4, report.comm
+        assert not any(k.startswith("p2p") for k in report.comm), report.comm

@@ -151,3 +151,36 @@ def test_groups_are_the_narrowest_that_cover_each_need(n: int) -> None:
     dst = {0: Need(ROWS[0], 0), 1: Need(ROWS[0], 0), 2: Need(ROWS[1], 1), 3: Need(ROWS[1], 1)}
     der = derive(SHAPE, src, dst)
     assert der.steps == [AllGather(((0, 1), (2, 3)), 1)]
+
+
+# A layout split over two mesh axes (experts on ep, their tokens' slots on dp): device
+# d = 2·i + j holds block (j, i) of a (4, 8) tensor, rows by j and columns by i.
+SHAPE2 = (4, 8)
+FULL2 = ((0, 4), (0, 8))
+BLOCKS = {2 * i + j: ((2 * j, 2 * j + 2), (4 * i, 4 * i + 4)) for i in (0, 1) for j in (0, 1)}
+
+
+def test_partial_sums_to_blocks_over_two_axes_are_two_reduce_scatters() -> None:
+    """No one axis scatters over all four: the sum runs as a reduce-scatter within pairs,
+    then one across them, each member left with its block (no all-reduce, no slicing)."""
+    src = {d: Piece(FULL2, (d, 4)) for d in range(4)}
+    der = derive(SHAPE2, src, _each([BLOCKS[d] for d in range(4)]))
+    assert der.steps == [ReduceScatter(((0, 1), (2, 3)), 0), ReduceScatter(((0, 2), (1, 3)), 1)]
+    assert {d: der.result[d].box for d in range(4)} == BLOCKS
+    assert not any(p.is_partial for p in der.result.values())
+
+
+def test_blocks_over_two_axes_to_replicated_are_two_all_gathers() -> None:
+    """One axis at a time; read by different pieces (R'), both backwards reduce-scatter,
+    which together sum the gradient over all four."""
+    src = {d: Piece(b) for d, b in BLOCKS.items()}
+    der = derive(SHAPE2, src, _same(FULL2, 4))
+    assert der.steps == [AllGather(((0, 1), (2, 3)), 0), AllGather(((0, 2), (1, 3)), 1)]
+    assert all(s.bwd == "slice" for s in der.steps)
+    summed = derive(SHAPE2, src, _each([FULL2] * 4))
+    assert [type(s) for s in summed.steps] == [AllGather, AllGather]
+    assert all(s.bwd == "reduce_scatter" for s in summed.steps)
+    # summed over pairs only (two pieces, each read twice): the chain does not span
+    # the summing groups, so the sum is a step of its own
+    pairs = {d: Need(FULL2, d % 2) for d in range(4)}
+    assert _kinds(derive(SHAPE2, src, pairs))[-1] is GradAllReduce

@@ -2,8 +2,9 @@
 
 The search runs in fixed phases, each choosing the cheapest collective that
 applies to regular groups of devices: reduce partial sums (reduce-scatter if
-each member needs only its chunk, else all-reduce); gather shards over the
-narrowest groups that cover what each member needs (all-to-all when each
+each member needs only its chunk, over the whole group or, for a layout split
+over two mesh axes, over parts of it in turn; else all-reduce); gather shards over the
+narrowest groups that cover what each member needs, one axis at a time (all-to-all when each
 member then needs only a chunk along another axis, else all-gather);
 cut what is held down to what is needed (a split with an all-gather backward
 when replicas keep different chunks, else a local narrow); finally sum the
@@ -59,11 +60,16 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
 
     if any(d not in held for d in dst):
         return fallback()
-    if any(p.is_partial for p in held.values()):
+    for _ in range(64):  # a reduce-scatter over part of a group leaves partials (bounded:
+        # each step at least halves the terms a device still holds)
+        if not any(p.is_partial for p in held.values()):
+            break
         step = _reduce(held, dst)
         if step is None:
             return fallback()
         steps.append(step)
+    else:
+        return fallback()
     for _ in range(len(shape) + 1):
         if all(held[d].contains(n.box) for d, n in dst.items()):
             break
@@ -86,8 +92,8 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
         last = steps[-1] if steps else None
         if isinstance(last, AllReduce) and set(last.groups) == set(groups):
             steps[-1] = replace(last, bwd="all_reduce")
-        elif isinstance(last, AllGather) and set(last.groups) == set(groups):
-            steps[-1] = replace(last, bwd="reduce_scatter")
+        elif (k := _gather_chain(steps, groups)) is not None:
+            steps[-k:] = [replace(g, bwd="reduce_scatter") for g in steps[-k:]]
         elif defer_grad_sum and not steps:
             out.grad_groups = groups
         else:
@@ -126,10 +132,64 @@ def _reduce(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
             for k, d in enumerate(g):
                 held[d] = Piece(_chunk(held[d].box, axis, k, len(g)))
         return ReduceScatter(tuple(groups), axis)
+    part = _part_scatter(groups, held, dst) if op == "sum" else None
+    if part is not None:
+        return part
     for g in groups:
         for d in g:
             held[d] = Piece(held[d].box)
     return AllReduce(tuple(groups), op=op)
+
+
+def _part_scatter(groups: list[Group], held: dict[int, Piece], dst: dict[int, Need]
+                  ) -> ReduceScatter | None:
+    """A reduce-scatter over equal parts of each group (consecutive members, or every
+    ``n/s``-th), when each member needs only its chunk along some axis but no one axis
+    serves the whole group: what a layout split over two mesh axes needs (experts on
+    ``ep``, their tokens' slots on ``dp``). Each part sums its own terms; the parts' results
+    stay partial across parts, and the next reduce step sums them (another reduce-scatter
+    along another axis, or an all-reduce), in ``_reduce``'s loop."""
+    n = len(groups[0])
+    if any(len(g) != n for g in groups):
+        return None
+    for size in [s for s in range(2, n) if n % s == 0]:
+        for strided in (False, True):
+            parts = [[g[j::n // size] if strided else g[j * size:(j + 1) * size]
+                      for j in range(n // size)] for g in groups]
+            flat = [tuple(p) for ps in parts for p in ps]
+            axis = _scatter_axis(flat, held, dst)
+            if axis is None:
+                continue
+            for ps in parts:
+                for j, part in enumerate(ps):
+                    for k, d in enumerate(part):
+                        held[d] = Piece(_chunk(held[d].box, axis, k, size), (j, len(ps)))
+            return ReduceScatter(tuple(flat), axis)
+    return None
+
+
+def _gather_chain(steps: list[Step], groups: tuple[Group, ...]) -> int | None:
+    """How many trailing all-gathers together span exactly ``groups`` (each a connected
+    component of their groups, as large as the product of their sizes): their backwards,
+    reduce-scatters in turn, then do the gradient sum. ``None`` if no such chain ends ``steps``."""
+    want = {frozenset(g) for g in groups}
+    for k in range(1, len(steps) + 1):
+        tail = steps[-k:]
+        if not all(isinstance(t, AllGather) for t in tail):
+            return None
+        comp: dict[int, set[int]] = {}
+        for t in tail:
+            for g in t.groups:
+                merged = set(g).union(*(comp.get(d, set()) for d in g))
+                for d in merged:
+                    comp[d] = merged
+        size = 1
+        for t in tail:
+            size *= len(t.groups[0])
+        found = {frozenset(c) for c in comp.values()}
+        if found == want and all(len(c) == size for c in found):
+            return k
+    return None
 
 
 def _chunk(box: Box, axis: int, k: int, n: int) -> Box:
@@ -162,7 +222,7 @@ def _scatter_axis(groups: list[Group], held: dict[int, Piece], dst: dict[int, Ne
 
 def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
     """One all-gather (or all-to-all) along the axis that helps most."""
-    best: tuple[int, Step, dict[int, Piece]] | None = None
+    best: tuple[tuple[int, int], Step, dict[int, Piece]] | None = None
     for axis in range(len(next(iter(held.values())).box)):
         groups = _narrowest(_tiling_groups(held, axis), held, dst, axis)
         if not groups:
@@ -174,18 +234,33 @@ def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
                 box = held[d].box
                 new[d] = Piece(box[:axis] + ((lo, hi),) + box[axis + 1:])
         fixed = sum(1 for d, n in dst.items() if new[d].contains(n.box) and not held[d].contains(n.box))
-        if fixed == 0:
+        # a layout split over two axes gathers one axis at a time: the first gather fixes
+        # no one, but covers more of what they need
+        gained = _covered(new, dst) - _covered(held, dst)
+        if gained <= 0:
             continue
         step: Step = AllGather(tuple(groups), axis)
         a2a = _all_to_all(groups, held, new, dst, axis)
         if a2a is not None:
             step, new = a2a
-        if best is None or fixed > best[0]:
-            best = (fixed, step, new)
+        key = (fixed, 0 if fixed else gained)  # coverage only breaks a tie of fixing no one
+        if best is None or key > best[0]:
+            best = (key, step, new)
     if best is None:
         return None
     held.update(best[2])
     return best[1]
+
+
+def _covered(held: dict[int, Piece], dst: dict[int, Need]) -> int:
+    """Elements of what each device needs that it holds, summed over devices."""
+    total = 0
+    for d, n in dst.items():
+        v = 1
+        for (a, b), (c, e) in zip(held[d].box, n.box):
+            v *= max(0, min(b, e) - max(a, c))
+        total += v
+    return total
 
 
 def _tiling_groups(held: dict[int, Piece], axis: int) -> list[Group]:

@@ -8,8 +8,10 @@ axis is a dim the op keeps and shares with its activation: ``w_in[e, d, f]`` in
 holds and runs ``E / ep`` experts, and on ``dp`` along its tokens' slots (``c``), so
 the replicas of one expert share its work. Nothing else is decided by hand: where the tokens' layout
 meets the experts' (the dispatch ``einsum("tec,td->ecd")`` sums over each device's own
-tokens), lowering turns the partial sums into a reduce-scatter along the experts, and
-the combine gathers the experts' outputs back to each device's tokens. Expert
+tokens), lowering turns the partial sums into a reduce-scatter along the experts (with
+``dp`` too, one within each ep group and one across dp, since each rank's block spans both
+axes), and the combine gathers the experts' outputs back to each device's tokens (one
+all-gather per axis). Expert
 gradients are summed over ``dp`` only: each ``ep`` rank owns its experts.
 
 Routing that sorts tokens by expert into data-dependent groups (transformers' grouped
