@@ -2,8 +2,9 @@
 
 Both plans train the same MoE GPT (8 experts, top-2, fixed capacity) on the same
 batches in one launch of 4 gloo ranks, interleaved step by step; each launch reports
-rank 0's median step time and the bytes it sent per step (counted by the runtime's
-collectives), and the table gives the medians over ``--launches`` launches and the
+rank 0's median step time and the bytes it sends per step (each collective the runtime
+runs, at the bytes a ring algorithm sends for it: ``CommCounter.wire_bytes``), and the
+table gives the medians over ``--launches`` launches and the
 ratios plan / dp for ``ep`` (ep=4) and ``ep:ep=2`` (ep=2 × dp=2) (tokens/s: above 1 is
 the ep plan faster; bytes: below 1 is it moving less).
 Also the simulator's prediction of both plans on a GPU cluster for a larger model.
@@ -59,7 +60,7 @@ def rank_main(ctx, warmup: int, steps: int) -> dict[str, dict[str, float]]:
                 dt = time.perf_counter() - t0
             if i >= warmup:
                 times[p].append(dt)
-                sent[p] = window.nbytes()
+                sent[p] = window.wire_bytes()
     return {p: {"ms": statistics.median(times[p]) * 1e3, "bytes": sent[p]} for p in PLANS}
 
 
@@ -101,7 +102,8 @@ def main() -> None:
         print(runs[-1], flush=True)
     tokens = BATCH * SEQ
     med = {p: {k: statistics.median(r[p][k] for r in runs) for k in ("ms", "bytes")} for p in PLANS}
-    lines = ["| plan | step ms (median) | tokens/s | bytes sent per step, rank 0 |", "|---|---|---|---|"]
+    lines = ["| plan | step ms (median) | tokens/s | bytes on the wire per step, rank 0 |",
+             "|---|---|---|---|"]
     for p in PLANS:
         lines.append(f"| {p} | {med[p]['ms']:.1f} | {tokens / med[p]['ms'] * 1e3:.0f} | "
                      f"{med[p]['bytes'] / 1e6:.2f} MB |")

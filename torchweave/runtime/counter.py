@@ -62,6 +62,19 @@ class CommCounter:
         """Bytes of this rank's input to the matching calls."""
         return sum(n for key, n in self._bytes.items() if _matches(key, kind, direction, group))
 
+    def wire_bytes(self, kind: CommKind | None = None, direction: Direction | None = None) -> float:
+        """Bytes this rank sends for the matching calls under ring algorithms, from each
+        call's input and its group's size ``p``: an all-reduce sends ``2(p-1)/p`` of its
+        input, a reduce-scatter and an all-to-all ``(p-1)/p``, an all-gather ``p-1`` times
+        its shard, point-to-point what it sends."""
+        factor = {CommKind.ALL_REDUCE: lambda p: 2 * (p - 1) / p,
+                  CommKind.REDUCE_SCATTER: lambda p: (p - 1) / p,
+                  CommKind.ALL_TO_ALL: lambda p: (p - 1) / p,
+                  CommKind.ALL_GATHER: lambda p: p - 1,
+                  CommKind.P2P: lambda p: 1}
+        return sum(n * factor[key[0]](len(key[2])) for key, n in self._bytes.items()
+                   if _matches(key, kind, direction, None))
+
     def counts(self) -> dict[tuple[CommKind, Direction], int]:
         """Calls per (kind, direction), summed over groups."""
         out: collections.Counter[tuple[CommKind, Direction]] = collections.Counter()
