@@ -184,3 +184,20 @@ def test_blocks_over_two_axes_to_replicated_are_two_all_gathers() -> None:
     # the summing groups, so the sum is a step of its own
     pairs = {d: Need(FULL2, d % 2) for d in range(4)}
     assert _kinds(derive(SHAPE2, src, pairs))[-1] is GradAllReduce
+
+
+def test_parts_of_a_sum_are_labelled_by_their_terms_not_by_rank() -> None:
+    """Two overlapping boxes, their terms on devices in different orders (from a review):
+    after the partial reduce-scatter, equal boxes pair up by the terms they hold, so the
+    second step adds each term once (it used to pair device 1's terms 0+1 with device 4's
+    terms 0+1)."""
+    a, b = ((0, 8), (0, 4)), ((4, 12), (0, 4))
+    src = {0: Piece(a, (0, 4)), 1: Piece(a, (1, 4)), 6: Piece(a, (2, 4)), 7: Piece(a, (3, 4)),
+           2: Piece(b, (2, 4)), 3: Piece(b, (3, 4)), 4: Piece(b, (0, 4)), 5: Piece(b, (1, 4))}
+    rows = {0: 0, 1: 4, 6: 0, 7: 4, 2: 4, 3: 8, 4: 4, 5: 8}
+    der = derive((12, 4), src, {d: Need(((r, r + 4), (0, 4)), d) for d, r in rows.items()})
+    first, second = der.steps[:2]
+    assert isinstance(first, ReduceScatter) and isinstance(second, AllReduce)
+    terms = {d: {src[e].partial[0] for e in g} for g in first.groups for d in g}
+    for g in second.groups:
+        assert sorted(t for d in g for t in terms[d]) == [0, 1, 2, 3], (g, terms)

@@ -79,6 +79,34 @@ def test_op_orders_that_cannot_be_realized_are_refused_with_the_rule() -> None:
     refused(plan, "the pieces of one node run in row-major order")
 
 
+def test_op_orders_and_co_sharded_regions() -> None:
+    """A region runs chunk by chunk: an op-order inside it must agree with that; two
+    regions an op-order brings side by side stay two regions (from a review)."""
+    from torchweave.policies.coshard import with_coshard
+
+    graph = captured("gpt-tiny")
+    plan = resolve("dp:coshard=mlp:2", graph, 2)
+    fc_in = next(n.name for n in graph.nodes if n.module == "blocks.0.mlp.fc_in")
+    gelu = next(n.name for n in graph.nodes if n.module == "blocks.0.mlp" and "gelu" in n.name)
+    plan.order(PieceRef(fc_in, (0, 0)), PieceRef(gelu, (0, 0)))  # as it runs: accepted
+    check_program(lower(graph, plan))
+    plan.order(PieceRef(fc_in, (0, 1)), PieceRef(gelu, (0, 0)))  # chunk 1 before chunk 0
+    with pytest.raises(PlanError, match="chunk by chunk"):
+        lower(graph, plan)
+
+    plan = resolve("dp", graph, 2)
+    plan = with_coshard(plan, graph, ["layer_norm"], 2, dim="b")
+    plan = with_coshard(plan, graph, ["linear_1_nobias"], 2, dim="e0")
+    for d in range(2):
+        k = [p for p in plan.pieces("linear_1_nobias") if plan.device_of("linear_1_nobias", p) == d]
+        q = [p for p in plan.pieces(Q) if plan.device_of(Q, p) == d]
+        plan.order(PieceRef("linear_1_nobias", k[0]), PieceRef(Q, q[0]))
+    progs = lower(graph, plan)  # the k projection now follows the norm: two regions still
+    check_program(progs)
+    names = _computes(progs[0])
+    assert names.index("linear_1_nobias") < names.index(Q)
+
+
 def test_op_orders_survive_the_plan_file_and_the_simulator_runs_them() -> None:
     """Plans are read and changed as JSON: an op-order written there is what lowering and
     the simulator (no fast path: replicas or blocks may differ in order) run."""

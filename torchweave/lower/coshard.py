@@ -37,6 +37,22 @@ from torchweave.plan.layout import Box, Layout, Piece, hull
 from torchweave.plan.validate import PlanError
 
 
+def coshard_regions(graph, plan) -> dict[str, int]:
+    """Each co-sharded node's region: a run of consecutive graph nodes of one
+    :func:`coshard_key`, numbered in graph order. Lowering runs a region as one, chunk by
+    chunk, wherever an op-order moves it (``lower/op_order.py``)."""
+    region: dict[str, int] = {}
+    last, r = None, -1
+    for n in graph.nodes:
+        key = coshard_key(plan, n.name)
+        if key is not None and key != last:
+            r += 1
+        if key is not None:
+            region[n.name] = r
+        last = key
+    return region
+
+
 def coshard_key(plan, node: str) -> tuple[tuple[int, ...], int] | None:
     """(the devices, in piece order, and ``k``) when ``node`` is co-sharded, else None."""
     trans = plan.transforms(node)

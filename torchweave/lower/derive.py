@@ -152,11 +152,15 @@ def _part_scatter(groups: list[Group], held: dict[int, Piece], dst: dict[int, Ne
     n = len(groups[0])
     if any(len(g) != n for g in groups):
         return None
+    # parts by the terms they hold, not by device position: part j of every group then
+    # holds the same terms, so the next step, which pairs equal boxes by part, adds each
+    # term once (members in term order; each part's devices in rank order for the step)
+    by_term = [sorted(g, key=lambda d: held[d].partial[0]) for g in groups]
     for size in [s for s in range(2, n) if n % s == 0]:
         for strided in (False, True):
-            parts = [[g[j::n // size] if strided else g[j * size:(j + 1) * size]
-                      for j in range(n // size)] for g in groups]
-            flat = [tuple(p) for ps in parts for p in ps]
+            parts = [[tuple(sorted(t[j::n // size] if strided else t[j * size:(j + 1) * size]))
+                      for j in range(n // size)] for t in by_term]
+            flat = [p for ps in parts for p in ps]
             axis = _scatter_axis(flat, held, dst)
             if axis is None:
                 continue
@@ -183,6 +187,8 @@ def _gather_chain(steps: list[Step], groups: tuple[Group, ...]) -> int | None:
                 merged = set(g).union(*(comp.get(d, set()) for d in g))
                 for d in merged:
                     comp[d] = merged
+        if any(len({len(g) for g in t.groups}) != 1 for t in tail):
+            return None
         size = 1
         for t in tail:
             size *= len(t.groups[0])
@@ -235,9 +241,10 @@ def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
                 new[d] = Piece(box[:axis] + ((lo, hi),) + box[axis + 1:])
         fixed = sum(1 for d, n in dst.items() if new[d].contains(n.box) and not held[d].contains(n.box))
         # a layout split over two axes gathers one axis at a time: the first gather fixes
-        # no one, but covers more of what they need
+        # no one, but covers more of what they need. Only among readers: a holder that
+        # reads nothing would get no gradient back through the gathers' slices
         gained = _covered(new, dst) - _covered(held, dst)
-        if gained <= 0:
+        if gained <= 0 or (not fixed and any(d not in dst for g in groups for d in g)):
             continue
         step: Step = AllGather(tuple(groups), axis)
         a2a = _all_to_all(groups, held, new, dst, axis)

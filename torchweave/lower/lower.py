@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from torchweave.ir.graph import Graph, Node, Ref
 from torchweave.lower.check import check_program
-from torchweave.lower.coshard import coshard_key, coshare_id, lower_region
+from torchweave.lower.coshard import coshard_key, coshard_regions, coshare_id, lower_region
 from torchweave.lower.defer import defer_replicated_sums, read_kind
 from torchweave.lower.derive import Need, derive, point_to_point
 from torchweave.lower.pieces import (
@@ -62,15 +62,18 @@ class Lowering:
         self._plan_params()
         self._place_inputs()
         nodes, i = ordered_nodes(self.graph, self.plan), 0  # op-order: lower/op_order.py
+        region = coshard_regions(self.graph, self.plan)
         while i < len(nodes):
-            key = coshard_key(self.plan, nodes[i].name)
-            if key is None:
+            r = region.get(nodes[i].name)
+            if r is None:
                 self._node(nodes[i])
                 i += 1
                 continue
             j = i + 1
-            while j < len(nodes) and coshard_key(self.plan, nodes[j].name) == key:
+            while j < len(nodes) and region.get(nodes[j].name) == r:
                 j += 1
+            key = coshard_key(self.plan, nodes[i].name)
+            assert key is not None
             lower_region(self, nodes[i:j], *key)
             i = j
         defer_replicated_sums(self)

@@ -13,7 +13,8 @@ for. What cannot be realized that way is refused before launch:
 - an op-order between pieces of one node against their row-major order;
 - an op-order across pipeline stages (the schedule orders stages:
   ``with_schedule(..., orders=...)``);
-- an op-order that would cut a co-sharded region in two.
+- an op-order that would cut a co-sharded region in two, or one inside a region that
+  disagrees with its chunk-by-chunk order.
 
 Backward runs in autograd's order, the reverse of the data flow; op-orders order the
 forward (and, under recompute, its recomputation).
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from torchweave.errors import Problem
 from torchweave.ir.graph import Graph, Node
-from torchweave.lower.coshard import coshard_key
+from torchweave.lower.coshard import coshard_regions
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import PlanError
 
@@ -41,9 +42,20 @@ def ordered_nodes(graph: Graph, plan: Plan) -> list[Node]:
                 after[producer[ref.name]].add(n.name)
     problems = []
     stage_of = plan.pipeline.stage_of if plan.pipeline is not None else {}
+    region = coshard_regions(graph, plan)
     for o in plan.orders:
         a, b = o.before.node, o.after.node
         what = f"{a}{list(o.before.piece)} before {b}{list(o.after.piece)}"
+        if a != b and region.get(a) is not None and region.get(a) == region.get(b):
+            # one co-sharded region runs chunk by chunk: chunk i of every node, then i + 1
+            ca, cb = o.before.piece[-1], o.after.piece[-1]
+            if not (ca < cb or (ca == cb and index[a] < index[b])):
+                problems.append(Problem(
+                    obj="op-order", value=what,
+                    rule="a co-sharded region runs chunk by chunk (every node's chunk i, in graph "
+                         "order, then chunk i + 1): an op-order inside it must agree",
+                    fix="drop it, or order the region as a whole against nodes outside it"))
+            continue
         if a == b:
             if plan.flat(a, o.before.piece) > plan.flat(a, o.after.piece):
                 problems.append(Problem(
@@ -107,16 +119,9 @@ def _pull(graph: Graph, before: dict[str, list[str]], index: dict[str, int]
 
 
 def _regions_whole(graph: Graph, nodes: list[Node], plan: Plan) -> list[Problem]:
-    """Each co-sharded region (a run of consecutive graph nodes of one key) stays one run."""
-    region: dict[str, int] = {}
-    last, r = None, -1
-    for n in graph.nodes:
-        key = coshard_key(plan, n.name)
-        if key is not None and key != last:
-            r += 1
-        if key is not None:
-            region[n.name] = r
-        last = key
+    """Each co-sharded region stays one run of consecutive nodes (lowering runs a region as
+    one: :func:`~torchweave.lower.coshard.coshard_regions`)."""
+    region = coshard_regions(graph, plan)
     problems, done, prev = [], set(), None
     for n in nodes:
         cur = region.get(n.name)
