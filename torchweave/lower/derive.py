@@ -9,7 +9,8 @@ member then needs only a chunk along another axis, else all-gather);
 cut what is held down to what is needed (a split with an all-gather backward
 when replicas keep different chunks, else a local narrow); finally sum the
 gradients of a replicated tensor read by different pieces (``R'``). Whatever
-fits no regular group falls back to point-to-point transfers.
+fits no regular group falls back to point-to-point transfers. The two sums (the first
+phase and the last) are :mod:`torchweave.lower.sums`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable
 
 from torchweave.lower.steps import (
-    AllGather, AllReduce, AllToAll, Box, GradAllReduce, Group, Narrow, ReduceScatter, Split, Step,
+    AllGather, AllReduce, AllToAll, Box, GradAllReduce, Group, Narrow, Split, Step,
 )
+from torchweave.lower.sums import chunk, gather_chain, reduce_step, sum_groups
 from torchweave.lower.transfers import transfers
 from torchweave.plan.layout import Piece
 
@@ -64,7 +66,7 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
         # each step at least halves the terms a device still holds)
         if not any(p.is_partial for p in held.values()):
             break
-        step = _reduce(held, dst)
+        step = reduce_step(held, dst)
         if step is None:
             return fallback()
         steps.append(step)
@@ -84,7 +86,7 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
         return fallback()
     cut_steps, held = cut
     steps.extend(cut_steps)
-    groups = _sum_groups(dst)
+    groups = sum_groups(dst)
     if groups is None:
         return fallback()
     out = Derivation(steps, (), held)
@@ -92,7 +94,7 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
         last = steps[-1] if steps else None
         if isinstance(last, AllReduce) and set(last.groups) == set(groups):
             steps[-1] = replace(last, bwd="all_reduce")
-        elif (k := _gather_chain(steps, groups)) is not None:
+        elif (k := gather_chain(steps, groups)) is not None:
             steps[-k:] = [replace(g, bwd="reduce_scatter") for g in steps[-k:]]
         elif defer_grad_sum and not steps:
             out.grad_groups = groups
@@ -102,130 +104,6 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
 
 
 # ---------------------------------------------------------------- phases
-def _reduce(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
-    by_box: dict[Box, list[int]] = {}
-    for d in sorted(held):
-        by_box.setdefault(held[d].box, []).append(d)
-    groups: list[Group] = []
-    for box, devs in by_box.items():
-        count = held[devs[0]].partial[1]
-        slots: list[dict[int, int]] = []
-        for d in devs:
-            idx = held[d].partial[0]
-            if held[d].partial[1] != count:
-                return None
-            slot = next((s for s in slots if idx not in s), None)
-            if slot is None:
-                slot = {}
-                slots.append(slot)
-            slot[idx] = d
-        for s in slots:
-            if len(s) != count:
-                return None
-            groups.append(tuple(sorted(s.values())))
-    op = next(iter(held.values())).reduce
-    if any(p.reduce != op for p in held.values()):
-        return None
-    axis = _scatter_axis(groups, held, dst) if op == "sum" else None
-    if axis is not None:
-        for g in groups:
-            for k, d in enumerate(g):
-                held[d] = Piece(_chunk(held[d].box, axis, k, len(g)))
-        return ReduceScatter(tuple(groups), axis)
-    part = _part_scatter(groups, held, dst) if op == "sum" else None
-    if part is not None:
-        return part
-    for g in groups:
-        for d in g:
-            held[d] = Piece(held[d].box)
-    return AllReduce(tuple(groups), op=op)
-
-
-def _part_scatter(groups: list[Group], held: dict[int, Piece], dst: dict[int, Need]
-                  ) -> ReduceScatter | None:
-    """A reduce-scatter over equal parts of each group (consecutive members, or every
-    ``n/s``-th), when each member needs only its chunk along some axis but no one axis
-    serves the whole group: what a layout split over two mesh axes needs (experts on
-    ``ep``, their tokens' slots on ``dp``). Each part sums its own terms; the parts' results
-    stay partial across parts, and the next reduce step sums them (another reduce-scatter
-    along another axis, or an all-reduce), in ``_reduce``'s loop."""
-    n = len(groups[0])
-    if any(len(g) != n for g in groups):
-        return None
-    # parts by the terms they hold, not by device position: part j of every group then
-    # holds the same terms, so the next step, which pairs equal boxes by part, adds each
-    # term once (members in term order; each part's devices in rank order for the step)
-    by_term = [sorted(g, key=lambda d: held[d].partial[0]) for g in groups]
-    for size in [s for s in range(2, n) if n % s == 0]:
-        for strided in (False, True):
-            parts = [[tuple(sorted(t[j::n // size] if strided else t[j * size:(j + 1) * size]))
-                      for j in range(n // size)] for t in by_term]
-            flat = [p for ps in parts for p in ps]
-            axis = _scatter_axis(flat, held, dst)
-            if axis is None:
-                continue
-            for ps in parts:
-                for j, part in enumerate(ps):
-                    for k, d in enumerate(part):
-                        held[d] = Piece(_chunk(held[d].box, axis, k, size), (j, len(ps)))
-            return ReduceScatter(tuple(flat), axis)
-    return None
-
-
-def _gather_chain(steps: list[Step], groups: tuple[Group, ...]) -> int | None:
-    """How many trailing all-gathers together span exactly ``groups`` (each a connected
-    component of their groups, as large as the product of their sizes): their backwards,
-    reduce-scatters in turn, then do the gradient sum. ``None`` if no such chain ends ``steps``."""
-    want = {frozenset(g) for g in groups}
-    for k in range(1, len(steps) + 1):
-        tail = steps[-k:]
-        if not all(isinstance(t, AllGather) for t in tail):
-            return None
-        comp: dict[int, set[int]] = {}
-        for t in tail:
-            for g in t.groups:
-                merged = set(g).union(*(comp.get(d, set()) for d in g))
-                for d in merged:
-                    comp[d] = merged
-        if any(len({len(g) for g in t.groups}) != 1 for t in tail):
-            return None
-        size = 1
-        for t in tail:
-            size *= len(t.groups[0])
-        found = {frozenset(c) for c in comp.values()}
-        if found == want and all(len(c) == size for c in found):
-            return k
-    return None
-
-
-def _chunk(box: Box, axis: int, k: int, n: int) -> Box:
-    a, b = box[axis]
-    step = (b - a) // n
-    return box[:axis] + ((a + k * step, a + (k + 1) * step),) + box[axis + 1:]
-
-
-def _scatter_axis(groups: list[Group], held: dict[int, Piece], dst: dict[int, Need]) -> int | None:
-    """An axis along which each member needs only its own chunk."""
-    box0 = held[groups[0][0]].box
-    for axis in range(len(box0)):
-        ok = True
-        for g in groups:
-            box = held[g[0]].box
-            a, b = box[axis]
-            if (b - a) % len(g) or any(d not in dst for d in g):
-                ok = False
-                break
-            for k, d in enumerate(g):
-                if not Piece(_chunk(box, axis, k, len(g))).contains(dst[d].box):
-                    ok = False
-                    break
-            if not ok:
-                break
-        if ok:
-            return axis
-    return None
-
-
 def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
     """One all-gather (or all-to-all) along the axis that helps most."""
     best: tuple[tuple[int, int], Step, dict[int, Piece]] | None = None
@@ -330,7 +208,7 @@ def _all_to_all(groups, held, gathered, dst, axis):
                 if (hi - lo) % len(g) or d not in dst:
                     ok = False
                     break
-                new[d] = Piece(_chunk(box, b, k, len(g)))
+                new[d] = Piece(chunk(box, b, k, len(g)))
                 if not new[d].contains(dst[d].box):
                     ok = False
                     break
@@ -356,7 +234,7 @@ def _cut(held: dict[int, Piece], dst: dict[int, Need]
         steps.append(Split(tuple(groups), axis))
         for g in groups:
             for k, d in enumerate(g):
-                held[d] = Piece(_chunk(held[d].box, axis, k, len(g)))
+                held[d] = Piece(chunk(held[d].box, axis, k, len(g)))
         need_cut = {d for d in need_cut if held[d].box != dst[d].box}
     if need_cut:
         for d in need_cut:
@@ -401,30 +279,13 @@ def _split_along(box: Box, devs: list[int], dst: dict[int, Need], axis: int) -> 
     chunks: dict[int, list[int]] = {}
     for d in devs:
         k = ranges.index(dst[d].box[axis])
-        if dst[d].box[axis] != _chunk(box, axis, k, n)[axis]:
+        if dst[d].box[axis] != chunk(box, axis, k, n)[axis]:
             return None
         chunks.setdefault(k, []).append(d)
     if len({len(v) for v in chunks.values()}) != 1:
         return None
     groups = [tuple(chunks[k][j] for k in range(n)) for j in range(len(chunks[0]))]
     return groups if all(list(g) == sorted(g) for g in groups) else None
-
-
-def _sum_groups(dst: dict[int, Need]) -> tuple[Group, ...] | None:
-    """Devices reading the same box for different pieces: their grads add up."""
-    by_box: dict[Box, dict[Hashable, list[int]]] = {}
-    for d in sorted(dst):
-        by_box.setdefault(dst[d].box, {}).setdefault(dst[d].piece_id, []).append(d)
-    groups: list[Group] = []
-    for ids in by_box.values():
-        if len(ids) < 2:
-            continue
-        counts = {len(v) for v in ids.values()}
-        if len(counts) != 1:
-            return None
-        for j in range(counts.pop()):
-            groups.append(tuple(sorted(v[j] for v in ids.values())))
-    return tuple(groups)
 
 
 # ---------------------------------------------------------------- fallback
