@@ -210,7 +210,8 @@ class ParallelConfig:
     ``1f1b:micro=8,dp=2,tp=2,recompute=selective`` (all of them:
     ``torchweave.policies.spec``; a pipeline cuts each ``micro_batch`` batch into its
     micro-batches), a plan.json path (its data-parallel degree read from its mesh's ``dp`` and ``ep``
-    axes; world_size if it has no mesh),
+    axes, world_size if it has no mesh; the file is read when the config is checked, on
+    every rank, as the config file itself is),
     or ``auto`` (``auto:preset=megatron``): the plan the search (``torchweave.search``)
     predicts fastest on this machine among those that fit, with the data-parallel
     degree the batch sizes give and the rest of the ranks split by tensor and
