@@ -107,6 +107,7 @@ def derive(shape: tuple[int, ...], src: dict[int, Piece], dst: dict[int, Need], 
 def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
     """One all-gather (or all-to-all) along the axis that helps most."""
     best: tuple[tuple[int, int], Step, dict[int, Piece]] | None = None
+    base: int | None = None  # what is covered before the step, counted once when needed
     for axis in range(len(next(iter(held.values())).box)):
         groups = _narrowest(_tiling_groups(held, axis), held, dst, axis)
         if not groups:
@@ -118,17 +119,23 @@ def _gather(held: dict[int, Piece], dst: dict[int, Need]) -> Step | None:
                 box = held[d].box
                 new[d] = Piece(box[:axis] + ((lo, hi),) + box[axis + 1:])
         fixed = sum(1 for d, n in dst.items() if new[d].contains(n.box) and not held[d].contains(n.box))
-        # a layout split over two axes gathers one axis at a time: the first gather fixes
-        # no one, but covers more of what they need. Only among readers: a holder that
-        # reads nothing would get no gradient back through the gathers' slices
-        gained = _covered(new, dst) - _covered(held, dst)
-        if gained <= 0 or (not fixed and any(d not in dst for g in groups for d in g)):
-            continue
+        gained = 0
+        if not fixed:
+            # a layout split over two axes gathers one axis at a time: the first gather fixes
+            # no one, but covers more of what they need. Only among readers: a holder that
+            # reads nothing would get no gradient back through the gathers' slices
+            if any(d not in dst for g in groups for d in g):
+                continue
+            if base is None:
+                base = _covered(held, dst)
+            gained = _covered(new, dst) - base
+            if gained <= 0:
+                continue
         step: Step = AllGather(tuple(groups), axis)
         a2a = _all_to_all(groups, held, new, dst, axis)
         if a2a is not None:
             step, new = a2a
-        key = (fixed, 0 if fixed else gained)  # coverage only breaks a tie of fixing no one
+        key = (fixed, gained)  # coverage only breaks a tie of fixing no one
         if best is None or key > best[0]:
             best = (key, step, new)
     if best is None:

@@ -83,7 +83,7 @@ def ordered_nodes(graph: Graph, plan: Plan) -> list[Node]:
                  "not run a node before one it reads from, nor order two nodes both ways",
             fix="drop the op-order that runs against the data flow or its opposite"))
     if not problems:
-        problems += _regions_whole(graph, out, plan)
+        problems += _regions_whole(out, region)
     if problems:
         raise PlanError(problems)
     return out
@@ -118,10 +118,9 @@ def _pull(graph: Graph, before: dict[str, list[str]], index: dict[str, int]
     return out, []
 
 
-def _regions_whole(graph: Graph, nodes: list[Node], plan: Plan) -> list[Problem]:
+def _regions_whole(nodes: list[Node], region: dict[str, int]) -> list[Problem]:
     """Each co-sharded region stays one run of consecutive nodes (lowering runs a region as
     one: :func:`~torchweave.lower.coshard.coshard_regions`)."""
-    region = coshard_regions(graph, plan)
     problems, done, prev = [], set(), None
     for n in nodes:
         cur = region.get(n.name)

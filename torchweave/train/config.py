@@ -167,8 +167,13 @@ def _plan_dp(plan: str, world_size: int) -> tuple[int, str]:
     try:
         spec = PlanSpec.parse(plan)
     except TorchweaveError as e:
-        raise ConfigError([dataclasses.replace(p, obj=f"parallel.plan: {p.obj}") for p in e.problems]) from None
+        raise _on_plan(e) from None
     return spec.dp(world_size), f"plan {plan!r}: dp = {spec.dp(world_size)}"
+
+
+def _on_plan(e: TorchweaveError) -> ConfigError:
+    """``e``'s problems as problems of ``parallel.plan``."""
+    return ConfigError([dataclasses.replace(p, obj=f"parallel.plan: {p.obj}") for p in e.problems])
 
 
 def _saved_plan_dp(path: str, world_size: int) -> tuple[int, str]:
@@ -183,7 +188,7 @@ def _saved_plan_dp(path: str, world_size: int) -> tuple[int, str]:
             obj="parallel.plan", value=repr(path), rule=f"a plan.json that can be read ({e.strerror})",
             fix="check the path, or write one: torchweave plan MODEL --plan tp --out plan.json")) from None
     except TorchweaveError as e:
-        raise ConfigError([dataclasses.replace(p, obj=f"parallel.plan: {p.obj}") for p in e.problems]) from None
+        raise _on_plan(e) from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(Problem(
             obj="parallel.plan", value=repr(path), rule=f"a plan JSON file ({type(e).__name__}: {e})",
