@@ -25,6 +25,7 @@ from torchweave.errors import TorchweaveError
 from torchweave.runtime import collectives
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.launch import LaunchConfig, LaunchError, RankFailedError, spawn
+from torchweave.runtime.regather import REGATHER, forward_hooks
 
 pytestmark = pytest.mark.dist
 
@@ -104,6 +105,49 @@ def _check_all_gather(group_cache, G, i, done):
         _close(y, X, what + " forward")
         _close(_grad(leaf, contiguous), ref.grad.chunk(n, axis)[i], what + " grad")
         _counts(c, {(AG, FWD): 1} | ({(RS, BWD): 1} if bwd == "reduce_scatter" else {}), what)
+        done.append(what)
+
+
+def _check_regather(group_cache, G, i, done):
+    """``all_gather(..., regather=True)`` in a forward under ``forward_hooks``: what autograd
+    saves of the result is kept as the shard and gathered again in backward, once for all
+    of an output's saved reads, the next output prefetched; values and gradients as
+    without. Outside such a forward the flag does nothing."""
+    n = len(G)
+    X1, X2 = _rand("rg.x1", G, 2 * n, 3, 4), _rand("rg.x2", G, 2 * n, 3, 4)
+    W1, V, W2 = _rand("rg.w1", G, 4, 5), _rand("rg.v", G, 2 * n, 3, 4), _rand("rg.w2", G, 4, 2)
+    H = [(_rand(f"rg.a{j}", G, 2 * n, 3, 5), _rand(f"rg.b{j}", G, 2 * n, 3, 4),
+          _rand(f"rg.c{j}", G, 2 * n, 3, 2)) for j in range(n)]
+
+    def loss(y1, y2, w1, v, w2, j):  # member j's term; the logical loss is their sum
+        a, b, c = H[j]
+        return _head(y1 @ w1, a) + _head(y1 * v, b) + _head(y2 @ w2, c)
+
+    ref = [t.clone().requires_grad_() for t in (X1, X2, W1, V, W2)]
+    sum(loss(*ref, j) for j in range(n)).backward()
+    mine = [t.clone().requires_grad_() for t in (W1, V, W2)]
+    want_w = torch.autograd.grad(loss(X1, X2, *mine, i), mine)
+
+    for hooks in (True, False):
+        x1, x2 = (X.chunk(n, 0)[i].clone().requires_grad_() for X in (X1, X2))
+        w = [t.clone().requires_grad_() for t in (W1, V, W2)]
+        saved = REGATHER.saved
+        with group_cache.counter.window() as c:
+            with forward_hooks(hooks):
+                y1 = collectives.all_gather(group_cache, x1, G, 0, bwd="reduce_scatter", regather=True)
+                y2 = collectives.all_gather(group_cache, x2, G, 0, bwd="reduce_scatter", regather=True)
+                out = loss(y1, y2, *w, i)
+            saved = REGATHER.saved - saved
+            del y1, y2
+            out.backward()
+        what = f"all_gather(regather=True{'' if hooks else ', outside a forward'}) on {G}"
+        _close(x1.grad, ref[0].grad.chunk(n, 0)[i], what + " grad x1")
+        _close(x2.grad, ref[1].grad.chunk(n, 0)[i], what + " grad x2")
+        for got, want, name in zip(w, want_w, ("w1", "v", "w2")):
+            _close(got.grad, want, f"{what} grad {name}")
+        again = {(AG, BWD): 2} if hooks else {}
+        _counts(c, {(AG, FWD): 2, (RS, BWD): 2} | again, what)
+        assert (saved >= 3) if hooks else (saved == 0), f"{what}: {saved} tensors saved as a shard"
         done.append(what)
 
 
@@ -237,11 +281,13 @@ def _comm_job(ctx, partitions, abort_marker):
         with group_cache.counter.window() as outer:
             _check_all_reduce(group_cache, G, i, done)
             _check_all_gather(group_cache, G, i, done)
+            _check_regather(group_cache, G, i, done)
             _check_reduce_scatter_and_split(group_cache, G, i, done)
             _check_all_to_all(group_cache, G, i, done)
             _check_grad_ops(group_cache, G, i, done)
-        # all_reduce 2+4, all_gather 3+2*2, reduce_scatter+split 3*3, all_to_all 5*2, f 1
-        assert outer.count() == outer.count(group=G) == 6 + 7 + 9 + 10 + 1, outer
+        # all_reduce 2+4, all_gather 3+2*2, regather 6+4, reduce_scatter+split 3*3,
+        # all_to_all 5*2, f 1
+        assert outer.count() == outer.count(group=G) == 6 + 7 + 10 + 9 + 10 + 1, outer
     _check_exchange(group_cache, done)
     before = group_cache.counter.count()
     _check_errors(group_cache, done)
@@ -265,7 +311,7 @@ def test_collectives_match_one_process(world_size, partitions, tmp_path):
     config = LaunchConfig(world_size=world_size, timeout_s=30, threads_per_rank=1)
     results = spawn(_comm_job, config, partitions, str(marker))
     assert len(results) == world_size
-    per_group = 2 * 2 + 5 + 3 * 2 + 5 + 2
+    per_group = 2 * 2 + 5 + 2 + 3 * 2 + 5 + 2
     assert all(len(done) == per_group * len(partitions) + 2 for done in results), results[0]
     assert marker.read_text() == "died"  # a rank crashed at exit, after its result
 

@@ -88,6 +88,40 @@ def test_tp_runs_one_all_reduce_per_attention_and_mlp_each_way() -> None:
 
 
 @pytest.mark.dist
+def test_sequence_parallel_keeps_shards_and_gathers_again_in_backward() -> None:
+    """Under ``sp``, each gathered input of a tensor-parallel linear is saved as its shard
+    and gathered again in backward (runtime/regather.py): one more backward all-gather per
+    such gather, counted live against the programs; equivalence holds, also with ZeRO-3
+    (whose saved-tensor rule shares the hooks) and in a zero-bubble pipeline (whose split
+    backward reads saved tensors in two passes). Where the readers are recomputed, nothing
+    is marked."""
+    from torchweave.api import capture
+    from torchweave.lower.lower import lower
+    from torchweave.lower.steps import AllGather, ReduceScatter, Split
+    from torchweave.policies import resolve
+
+    model, inputs = built("gpt-tiny")[:2]
+    graph = capture(model, inputs)
+    program = lower(graph, resolve("sp", graph, 2))[0]
+    again = [c for c in program.comms() if isinstance(c.step, AllGather) and c.step.regather]
+    duals = [c for c in program.comms() if isinstance(c.step, (ReduceScatter, Split))]
+    # the input of attention and of the MLP in each block, and of the LM head
+    assert len(again) == 2 * model.cfg.n_layer + 1, [c.consumer for c in again]
+    full = resolve("sp:tp=2,recompute=full", graph, 2)
+    rerun = {n for g in full.recompute for n in g}
+    marked = [c.consumer for c in lower(graph, full)[0].comms()
+              if isinstance(c.step, AllGather) and c.step.regather]
+    assert marked and not rerun & set(marked), marked  # the LM head's input only
+
+    live = reports(2)[("gpt-tiny", "sp")].comm  # counted over the first step
+    assert live["all_gather/bwd"] == len(duals) + len(again), live
+    plans = ["sp:tp=2,dp=2,zero=3", "zb:tp=2,pp=2,split=sequence"]
+    for report in verify_many([Case(*built("llama-tiny")[:2], p, steps=2, name=p) for p in plans],
+                              world_size=4):
+        assert report.ok, str(report)
+
+
+@pytest.mark.dist
 def test_random_plans_match_one_device(request) -> None:
     """At least 30 seeded random plans (random meshes, splits and device orders)."""
     from torchweave.policies.random import random_plan

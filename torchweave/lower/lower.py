@@ -23,7 +23,7 @@ from torchweave.lower.program import (
 )
 from torchweave.lower.op_order import ordered_nodes
 from torchweave.lower.stages import insert_frees, split_stages
-from torchweave.lower.steps import Box, Group, devices_of, name_of
+from torchweave.lower.steps import AllGather, Box, Group, devices_of, name_of
 from torchweave.ops import info
 from torchweave.plan.layout import Layout, Piece, full_box, hull
 from torchweave.plan.plan import Plan
@@ -56,6 +56,8 @@ class Lowering:
         self.grad_steps: dict[str, list] = {}
         """Value → the grad_all_reduce steps that are all it needed (candidates to defer)."""
         self._kinds: dict[tuple, object] = {}
+        self.rerun: set[str] = set()
+        """Nodes run again in backward (recompute groups, co-shard regions)."""
 
     # ------------------------------------------------------------ driver
     def run(self) -> list[Program]:
@@ -63,6 +65,7 @@ class Lowering:
         self._place_inputs()
         nodes, i = ordered_nodes(self.graph, self.plan), 0  # op-order: lower/op_order.py
         region = coshard_regions(self.graph, self.plan)
+        self.rerun = set(region) | {n for g in self.plan.recompute for n in g}
         while i < len(nodes):
             r = region.get(nodes[i].name)
             if r is None:
@@ -238,6 +241,8 @@ class Lowering:
                 self.param_grad.setdefault(value, ())
         current = {d: self.local.get((value, d), value) for d in self.held[value]}
         for step in der.steps:
+            if _regathers(step, v, node.name in self.rerun):
+                step = replace(step, regather=True)
             self.counter += 1
             new = f"{value}_{name_of(step)}{self.counter}"
             self._group_ids(step)
@@ -291,6 +296,16 @@ class Lowering:
         for prog in self.programs:
             prog.groups = ordered
             _insert_frees(prog)
+
+
+def _regathers(step, value, rerun: bool) -> bool:
+    """Megatron-LM's rule for sequence parallelism: a gathered activation whose readers are
+    different pieces of a split op (the gather's backward reduce-scatters) is saved for
+    backward as its shard and gathered again there (:mod:`torchweave.runtime.regather`).
+    Not for parameters (their pieces are held anyway) nor where the reader runs again in
+    backward (a recompute group or co-shard region keeps nothing of it)."""
+    return (isinstance(step, AllGather) and step.bwd == "reduce_scatter" and not rerun
+            and value.kind not in ("param", "buffer") and value.meta.dtype.is_floating_point)
 
 
 def recycle_links(low: Lowering, recycle: Recycle) -> list[RecycleLink]:

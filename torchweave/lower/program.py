@@ -227,5 +227,9 @@ class Program:
     def comms(self) -> list[Comm]:
         return [i for i in self.instrs if isinstance(i, Comm)]
 
+    def regathers(self) -> bool:
+        """Whether a forward all-gather here keeps its shard for backward (``regather``)."""
+        return any(getattr(c.step, "regather", False) for c in self.comms())
+
     def computes(self) -> list[Compute]:
         return [i for i in self.instrs if isinstance(i, Compute)]

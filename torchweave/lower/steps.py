@@ -119,6 +119,9 @@ class AllGather(_Collective):
     groups: tuple[Group, ...]
     axis: int
     bwd: Literal["slice", "reduce_scatter"] = "slice"
+    regather: bool = False
+    """Saved for backward as the shard and gathered again there (a second all-gather in
+    backward, ``1/size`` of the bytes kept): :mod:`torchweave.runtime.regather`."""
     NAME: ClassVar[str] = "all_gather"
     FORWARD: ClassVar[str | None] = "all_gather"
 
@@ -132,7 +135,7 @@ class AllGather(_Collective):
         return out
 
     def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-        return self.NAME, (self.axis,), {"bwd": self.bwd}
+        return self.NAME, (self.axis,), {"bwd": self.bwd, **({"regather": True} if self.regather else {})}
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ device, and every buffer handed to a collective is contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
+from torchweave.runtime.regather import REGATHER
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names; older releases lack *_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -102,11 +103,22 @@ def _raw_all_reduce(g: _Group, x: torch.Tensor, d: Direction) -> torch.Tensor:
 
 
 def _raw_all_gather(g: _Group, x: torch.Tensor, axis: int, d: Direction) -> torch.Tensor:
+    return _start_all_gather(g, x, axis, d, async_op=False)()
+
+
+def _start_all_gather(g: _Group, x: torch.Tensor, axis: int, d: Direction, *,
+                      async_op: bool = True) -> Callable[[], torch.Tensor]:
+    """Start the all-gather; the returned call waits for it and gives the result."""
     front = x.movedim(axis, 0).contiguous()
     out = front.new_empty((g.size * front.shape[0], *front.shape[1:]))
     g.record(CommKind.ALL_GATHER, d, front)
-    all_gather_single(out, front, group=g.pg)
-    return out.movedim(0, axis).contiguous()
+    work = all_gather_single(out, front, group=g.pg, async_op=async_op)
+
+    def result() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return out.movedim(0, axis).contiguous()
+    return result
 
 
 def _raw_reduce_scatter(g: _Group, x: torch.Tensor, axis: int, d: Direction) -> torch.Tensor:
@@ -268,14 +280,21 @@ def all_reduce_lse(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int
 
 
 def all_gather(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], axis: int, *,
-               bwd: Literal["slice", "reduce_scatter"] = "slice") -> torch.Tensor:
+               bwd: Literal["slice", "reduce_scatter"] = "slice",
+               regather: bool = False) -> torch.Tensor:
     """Concatenate members' pieces along ``axis`` (S -> R).
 
     ``bwd``: this member's slice of the gradient (R-grad), or reduce-scatter.
+    ``regather``: what autograd saves of the result is kept as ``x`` and gathered again
+    in backward (:mod:`torchweave.runtime.regather`).
     """
     _check_choice("all_gather bwd", bwd, ("slice", "reduce_scatter"))
     g = _resolve(group_cache, group, "all_gather")
-    return _AllGather.apply(x, g, _axis(x, axis, "all_gather"), bwd == "reduce_scatter")
+    ax = _axis(x, axis, "all_gather")
+    out = _AllGather.apply(x, g, ax, bwd == "reduce_scatter")
+    if regather:
+        REGATHER.note(out, x.detach(), lambda shard: _start_all_gather(g, shard, ax, BWD))
+    return out
 
 
 def reduce_scatter(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int],

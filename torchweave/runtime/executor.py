@@ -16,6 +16,7 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import ParamSlot, Program
 from torchweave.runtime import train_state
 from torchweave.runtime.gradsync import GradSync
+from torchweave.runtime.regather import forward_hooks
 from torchweave.runtime.user import UserLoop
 from torchweave.runtime.groups import GroupCache
 from torchweave.runtime.zero import ZeroOptimizer
@@ -111,6 +112,8 @@ class RankModule(UserLoop):
         self.rt = Runtime(program.rank, group_cache.device, group_cache)
         group_cache.create_all(program.groups + ([zero_group] if zero_group else []))
         self.code = load_module(code_path, f"torchweave_rank{program.rank}_{id(self)}")
+        self.regather = program.regathers()
+        """Whether a forward all-gather keeps its shard for backward (runtime/regather.py)."""
         self.params: dict[str, torch.Tensor] = {}
         self.slots: dict[str, ParamSlot] = {}
         for slot in program.params:
@@ -154,9 +157,10 @@ class RankModule(UserLoop):
         self.rt.send_roots = []
         params = self.param_view()
         if self.zero_opt is None or self.zero_opt.stage < 3:
-            return self.code.forward(self.rt, params, *inputs)
+            with forward_hooks(self.regather):
+                return self.code.forward(self.rt, params, *inputs)
         try:
-            with self.zero_opt.saved_tensor_hooks(self._cast):
+            with forward_hooks(self.regather, self.zero_opt.packer()):
                 return self.code.forward(self.rt, params, *inputs)
         finally:
             self.zero_opt.end_forward()

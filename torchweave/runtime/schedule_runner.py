@@ -41,7 +41,6 @@ class extends.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -57,6 +56,7 @@ from torchweave.lower.steps import Transfer
 from torchweave.plan.schedules import Action, Kind
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
+from torchweave.runtime.regather import forward_hooks
 from torchweave.runtime.zb import SplitBackward
 
 _TAG_TRANSFERS = 4096
@@ -222,7 +222,7 @@ class PipelineModule(RankModule):
             src = self._handed.pop((name, m, k))
             b[name] = src.detach().requires_grad_(src.requires_grad) if grad else src
         self.rt.send_roots = []
-        with contextlib.nullcontext() if grad else torch.no_grad():
+        with forward_hooks(self.regather) if grad else torch.no_grad():
             loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
         if grad:
             self._live[(s, m)] = _Live(loss, outputs, b, list(self.rt.send_roots))

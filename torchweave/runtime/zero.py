@@ -156,10 +156,11 @@ class ZeroOptimizer:
             return {k: cast(v) for k, v in params.items()}
         return self.stage3.begin_forward(params, cast)
 
-    def saved_tensor_hooks(self, cast: Callable[[torch.Tensor], torch.Tensor]):
-        """Stage 3: save gathered pieces as a place in their unit; gather again in backward."""
+    def packer(self) -> Any:
+        """Stage 3's rule for saved tensors: a gathered piece is saved as a place in its unit
+        and gathered again in backward (:func:`torchweave.runtime.regather.forward_hooks`)."""
         assert self.stage3 is not None
-        return self.stage3.saved_tensor_hooks()
+        return self.stage3
 
     def end_forward(self) -> None:
         if self.stage3 is not None:

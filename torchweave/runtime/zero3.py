@@ -37,8 +37,6 @@ from torch.autograd.function import once_differentiable
 from torchweave.runtime.collectives import all_gather_single, reduce_scatter_single
 from torchweave.runtime.counter import CommKind, Direction
 
-_TAG = object()
-"""Marks a saved tensor stored as its place in a gathered unit."""
 CACHED = 1
 """Units backward keeps gathered (besides those handed over, and one prefetch)."""
 IN_FLIGHT = 2
@@ -168,24 +166,21 @@ class Stage3:
         self.bwd_seen.clear()
 
     # ------------------------------------------------------------ backward
-    def saved_tensor_hooks(self):
-        def pack(t: torch.Tensor) -> Any:
-            base = t._base if t._base is not None else t
-            hit = self.bases.get(id(base))
-            if hit is None or hit[0]() is not base:
-                return t
-            u = hit[1]
-            if u not in self.saved:
-                self.saved.append(u)
-            return (_TAG, u, t.storage_offset(), tuple(t.shape), t.stride())
+    def pack(self, t: torch.Tensor) -> Any | None:
+        """A gathered piece, saved by autograd: kept as its place in its unit (or None:
+        not a piece of a unit); see :func:`torchweave.runtime.regather.forward_hooks`."""
+        base = t._base if t._base is not None else t
+        hit = self.bases.get(id(base))
+        if hit is None or hit[0]() is not base:
+            return None
+        u = hit[1]
+        if u not in self.saved:
+            self.saved.append(u)
+        return u, t.storage_offset(), tuple(t.shape), t.stride()
 
-        def unpack(x: Any) -> torch.Tensor:
-            if type(x) is tuple and x and x[0] is _TAG:
-                _, u, offset, shape, stride = x
-                return self._backward_unit(u).as_strided(shape, stride, offset)
-            return x
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    def unpack(self, data: Any) -> torch.Tensor:
+        u, offset, shape, stride = data
+        return self._backward_unit(u).as_strided(shape, stride, offset)
 
     def _backward_unit(self, u: int) -> torch.Tensor:
         buf = self.bwd.get(u)

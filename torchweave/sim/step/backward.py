@@ -44,6 +44,8 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
     done: set[int] = set()  # units gathered (or prefetched) in backward
     seen: set[int] = set()  # units backward has used
     gathered: set[str] = set()
+    again: set[str] = set()  # regathered activations gathered in this backward
+    ahead = _prefetches(self, state)
 
     def gather(u: int, p: str, stage: int | None, block: int | None, how: str) -> None:
         done.add(u)
@@ -101,6 +103,19 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
             waits = tuple(grad(o) for o in ins.outputs) + tuple(
                 regathered(p) for p in (state.views.get(x, x) for x in refs)
                 if p in gathered and unit_of.get(p) != kept)
+            for v in state.regather_readers.get(idx, ()):
+                waits += (regathered(v),)
+                if v in again:
+                    continue
+                # the first saved read gathers it again, unless the read before prefetched
+                # it, and prefetches the next (runtime/regather.py)
+                again.add(v)
+                at = tuple(grad(o) for o in ins.outputs)
+                if v not in ahead:
+                    out.append(_regather(self, state, v, at, r, stage, block))
+                nxt = ahead.get(v)
+                if nxt is not None:
+                    out.append(_regather(self, state, nxt, at + (regathered(v),), r, stage, block))
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
                             tuple(grad(a) for a in refs), cost.bwd, stage=stage, block=block))
             for p in refs:
@@ -191,6 +206,36 @@ class Buckets:
 
     def _close(self, group: tuple) -> tuple[tuple, list[str], float]:
         return group, self.names.pop(group), self.fill.pop(group)
+
+
+def _prefetches(self: StepContext, state: RankForward) -> dict[str, str]:
+    """Regathered activation → the one its first read prefetches: the next that backward
+    reads in the same stage (:mod:`torchweave.runtime.regather`)."""
+    last: dict[int | None, str] = {}
+    ahead: dict[str, str] = {}
+    seen: set[str] = set()
+    for idx in sorted(state.regather_readers, reverse=True):
+        st = self.stage(state.prog.instrs[idx])[0]
+        for v in state.regather_readers[idx]:
+            if v in seen:
+                continue
+            seen.add(v)
+            if st in last:
+                ahead[last[st]] = v
+            last[st] = v
+    return ahead
+
+
+def _regather(self: StepContext, state: RankForward, v: str, waits: tuple, r: int,
+              stage: int | None, block: int | None) -> Task:
+    """``v``, saved as its shard, gathered again for backward once ``waits`` are ready;
+    two gathered copies are alive at most (the one read and the one prefetched)."""
+    step, size = state.regather[v]
+    state.foot.temporaries = max(state.foot.temporaries, int(2 * size))
+    grp = mine(step.groups, r)
+    return Task(COMM, f"all_gather {v} again", waits, (regathered(v),),
+                self.comm(Collective.ALL_GATHER, size, grp),
+                Rendezvous(Meet.REGATHER, v, grp), self.meet_of(grp), stage, block=block)
 
 
 def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:

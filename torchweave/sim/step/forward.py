@@ -51,6 +51,7 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
     root: dict[str, str] = {}
     strided: set[str] = set()
     kept: dict[str, float] = {}
+    shard_of: dict[str, str] = {}  # a regather all-gather's result → its source
     inner: dict[str, object] = {}  # value made here inside recompute group k (or co-shard chunk) → k
     fwd: list[Task] = []
     kept_stage: dict[str, int | None] = {}
@@ -85,6 +86,9 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
                 base = root.get(v, v)
                 if group is not None and inner.get(v) == group:
                     continue  # recomputed in backward: only the group's inputs are kept
+                if base in shard_of:  # saved as the shard, gathered again before backward
+                    state.regather_readers.setdefault(idx, []).append(base)
+                    base = root.get(shard_of[base], shard_of[base])
                 if v not in not_act and base not in not_act:
                     kept[base] = nbytes.get(base, 0.0)
                     kept_stage.setdefault(base, ctx.stage_of.get(ins.node))
@@ -106,6 +110,9 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
             fwd.append(_comm(ctx, ins, r, nbytes))
             if fwd[-1].kind == LOCAL:  # a local slice or an identity: same storage
                 root[ins.dst] = root.get(ins.src, ins.src)
+            elif getattr(ins.step, "regather", False):
+                shard_of[ins.dst] = ins.src
+                state.regather[ins.dst] = (ins.step, nbytes[ins.dst])
         _tag(ctx, fwd, mark, ins, r, nbytes, foot)
     foot.activations += int(sum(kept.values()))
     for base, st in kept_stage.items():

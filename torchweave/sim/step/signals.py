@@ -40,7 +40,8 @@ class Of(IntEnum):
     GRAD = 1
     """The gradient of the named value is complete."""
     REGATHERED = 2
-    """ZeRO-3: the named parameter's unit is gathered again for backward."""
+    """Gathered again for backward: ZeRO-3, the named parameter's unit; a ``regather``
+    all-gather (``lower/steps.py``), the named activation."""
     SYNCED = 3
     """Gradient sum number ``name`` is done."""
     OPTIMIZER = 4
@@ -96,6 +97,8 @@ class Meet(IntEnum):
     """A bucket of gradients summed (all-reduce, or reduce-scatter under ZeRO-2/3)."""
     PARAM_GATHER = 6
     """ZeRO-1/2: the updated shards gathered after the optimizer."""
+    REGATHER = 7
+    """An activation saved as its shard, gathered again for backward."""
 
 
 class Rendezvous(NamedTuple):
