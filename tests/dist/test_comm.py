@@ -133,10 +133,11 @@ def _check_regather(group_cache, G, i, done):
         w = [t.clone().requires_grad_() for t in (W1, V, W2)]
         saved = REGATHER.saved
         with group_cache.counter.window() as c:
-            with forward_hooks(hooks):
+            with forward_hooks(hooks) as call:
                 y1 = collectives.all_gather(group_cache, x1, G, 0, bwd="reduce_scatter", regather=True)
                 y2 = collectives.all_gather(group_cache, x2, G, 0, bwd="reduce_scatter", regather=True)
                 out = loss(y1, y2, *w, i)
+            call.at_backward(out)  # y2 is gathered from the start of backward, y1 after y2's read
             saved = REGATHER.saved - saved
             del y1, y2
             out.backward()

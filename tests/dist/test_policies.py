@@ -94,7 +94,7 @@ def test_sequence_parallel_keeps_shards_and_gathers_again_in_backward() -> None:
     such gather, counted live against the programs; equivalence holds, also with ZeRO-3
     (whose saved-tensor rule shares the hooks) and in a zero-bubble pipeline (whose split
     backward reads saved tensors in two passes). Where the readers are recomputed, nothing
-    is marked."""
+    is marked, nor under zero-bubble (its split backward would read each save twice)."""
     from torchweave.api import capture
     from torchweave.lower.lower import lower
     from torchweave.lower.steps import AllGather, ReduceScatter, Split
@@ -112,6 +112,8 @@ def test_sequence_parallel_keeps_shards_and_gathers_again_in_backward() -> None:
     marked = [c.consumer for c in lower(graph, full)[0].comms()
               if isinstance(c.step, AllGather) and c.step.regather]
     assert marked and not rerun & set(marked), marked  # the LM head's input only
+    zb = lower(graph, resolve("zb:tp=2,pp=2,split=sequence", graph, 4))  # split backward
+    assert not any(p.regathers() for p in zb)
 
     live = reports(2)[("gpt-tiny", "sp")].comm  # counted over the first step
     assert live["all_gather/bwd"] == len(duals) + len(again), live

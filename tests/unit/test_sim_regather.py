@@ -27,6 +27,7 @@ def test_regathered_inputs_are_kept_as_shards_and_gathered_again(monkeypatch) ->
     full = sum(g.values[c.value].meta.nbytes for c in again)
     assert off.memory[0].activations - on.memory[0].activations == full // 2
     gathers = [e for e in on.timeline if e.rank == 0 and e.name.endswith(" again")]
+    assert sorted(e.name for e in gathers) == sorted({e.name for e in gathers})  # once each
     assert len(gathers) == len(again)
     assert not [e for e in off.timeline if e.name.endswith(" again")]
     # the gathers overlap the backward they prefetch ahead of: little of them shows

@@ -27,6 +27,7 @@ from torchweave.lower.steps import AllGather, Box, Group, devices_of, name_of
 from torchweave.ops import info
 from torchweave.plan.layout import Layout, Piece, full_box, hull
 from torchweave.plan.plan import Plan
+from torchweave.plan.schedules import Kind
 from torchweave.plan.recycle import Recycle, resolve_links
 from torchweave.plan.validate import PlanError, validate
 
@@ -58,6 +59,10 @@ class Lowering:
         self._kinds: dict[tuple, object] = {}
         self.rerun: set[str] = set()
         """Nodes run again in backward (recompute groups, co-shard regions)."""
+        self.split_backward = False
+        """A schedule with W actions: backward runs each saved read twice (runtime/zb.py)."""
+        self.whole: set[str] = set()
+        """Gathered names a node that runs again reads: kept whole, not regathered."""
 
     # ------------------------------------------------------------ driver
     def run(self) -> list[Program]:
@@ -66,6 +71,9 @@ class Lowering:
         nodes, i = ordered_nodes(self.graph, self.plan), 0  # op-order: lower/op_order.py
         region = coshard_regions(self.graph, self.plan)
         self.rerun = set(region) | {n for g in self.plan.recompute for n in g}
+        pipe = self.plan.pipeline
+        self.split_backward = pipe is not None and any(
+            a.kind is Kind.W for row in pipe.schedule.values() for a in row)
         while i < len(nodes):
             r = region.get(nodes[i].name)
             if r is None:
@@ -221,6 +229,8 @@ class Lowering:
         key = (value, tuple(sorted((d, n.box, n.piece_id) for d, n in needs.items())))
         if key in self.cache:
             self.reads.append((value, node.name, self._kinds[key]))
+            if node.name in self.rerun:
+                self.whole.update(self.cache[key].values())
             return dict(self.cache[key])
         if self._between_stages(value, node):
             # a pipeline boundary: explicit transfers, whose backward sends the gradient to
@@ -241,7 +251,7 @@ class Lowering:
                 self.param_grad.setdefault(value, ())
         current = {d: self.local.get((value, d), value) for d in self.held[value]}
         for step in der.steps:
-            if _regathers(step, v, node.name in self.rerun):
+            if _regathers(step, v, node.name in self.rerun or self.split_backward):
                 step = replace(step, regather=True)
             self.counter += 1
             new = f"{value}_{name_of(step)}{self.counter}"
@@ -295,6 +305,10 @@ class Lowering:
         ordered = sorted(self.groups, key=self.groups.get)
         for prog in self.programs:
             prog.groups = ordered
+            if self.whole:
+                prog.instrs = [replace(i, step=replace(i.step, regather=False))
+                               if isinstance(i, Comm) and i.dst in self.whole
+                               and getattr(i.step, "regather", False) else i for i in prog.instrs]
             _insert_frees(prog)
 
 
@@ -302,8 +316,10 @@ def _regathers(step, value, rerun: bool) -> bool:
     """Megatron-LM's rule for sequence parallelism: a gathered activation whose readers are
     different pieces of a split op (the gather's backward reduce-scatters) is saved for
     backward as its shard and gathered again there (:mod:`torchweave.runtime.regather`).
-    Not for parameters (their pieces are held anyway) nor where the reader runs again in
-    backward (a recompute group or co-shard region keeps nothing of it)."""
+    Not for parameters (their pieces are held anyway), nor where a reader runs again in
+    backward (a recompute group or co-shard region keeps its inputs whole: ``rerun``,
+    and ``Lowering.whole`` for later readers), nor under a schedule that splits backward
+    in two (zero-bubble's I and W both read what a matmul saved: ``rerun`` too)."""
     return (isinstance(step, AllGather) and step.bwd == "reduce_scatter" and not rerun
             and value.kind not in ("param", "buffer") and value.meta.dtype.is_floating_point)
 

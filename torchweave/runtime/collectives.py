@@ -117,7 +117,8 @@ def _start_all_gather(g: _Group, x: torch.Tensor, axis: int, d: Direction, *,
     def result() -> torch.Tensor:
         if work is not None:
             work.wait()
-        return out.movedim(0, axis).contiguous()
+        # along axis 0 the buffer is the result (not a view of it: regather.py notes it)
+        return out if axis == 0 else out.movedim(0, axis).contiguous()
     return result
 
 
@@ -293,7 +294,7 @@ def all_gather(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], a
     ax = _axis(x, axis, "all_gather")
     out = _AllGather.apply(x, g, ax, bwd == "reduce_scatter")
     if regather:
-        REGATHER.note(out, x.detach(), lambda shard: _start_all_gather(g, shard, ax, BWD))
+        REGATHER.note(out, x.detach(), g.ranks, lambda shard: _start_all_gather(g, shard, ax, BWD))
     return out
 
 

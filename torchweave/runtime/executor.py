@@ -157,13 +157,16 @@ class RankModule(UserLoop):
         self.rt.send_roots = []
         params = self.param_view()
         if self.zero_opt is None or self.zero_opt.stage < 3:
-            with forward_hooks(self.regather):
-                return self.code.forward(self.rt, params, *inputs)
-        try:
-            with forward_hooks(self.regather, self.zero_opt.packer()):
-                return self.code.forward(self.rt, params, *inputs)
-        finally:
-            self.zero_opt.end_forward()
+            with forward_hooks(self.regather) as call:
+                out = self.code.forward(self.rt, params, *inputs)
+        else:
+            try:
+                with forward_hooks(self.regather, self.zero_opt.packer()) as call:
+                    out = self.code.forward(self.rt, params, *inputs)
+            finally:
+                self.zero_opt.end_forward()
+        call.at_backward(out)
+        return out
 
     def train_step(self, *batch: torch.Tensor) -> float:
         """Forward, backward, gradient sync, clipping and optimizer step; the loss.

@@ -16,20 +16,26 @@ So does torchweave, for each forward all-gather that lowering marks
   same bytes: gathering is concatenation), later reads reuse that gather, and
   the read that matches the last save drops it;
 - that first read also starts gathering, asynchronously, the output noted
-  before it in the same forward (the next one backward will read), so the
-  gather overlaps the backward in between: two gathered outputs are alive at
-  most, as in ZeRO-3's backward prefetch.
+  before it on the same group in the same forward (the next one backward
+  reads), so the gather overlaps the backward in between: two gathered
+  outputs are alive at most, as in ZeRO-3's backward prefetch;
+- each group's last saved output is gathered ahead too, from the moment the
+  forward's backward starts (:meth:`Forward.prefetch`: when backward reaches
+  the forward's loss or, in a pipeline, when the stage's backward action
+  begins).
 
-The runtime's other saving rule, ZeRO-3's (a gathered parameter is saved as a
-place in its unit), composes with this one through :func:`forward_hooks`:
-autograd applies only the innermost hooks, so both share one pair.
+The chains are per group, so every member of a group issues its gathers at the
+same points of its own backward. The runtime's other saving rule, ZeRO-3's (a
+gathered parameter is saved as a place in its unit), composes with this one
+through :func:`forward_hooks`: autograd applies only the innermost hooks, so
+both share one pair.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Hashable, Iterator, Protocol
 
 import torch
 
@@ -53,7 +59,7 @@ class _Noted:
                  before: "_Noted | None") -> None:
         self.ref, self.shard, self.start = ref, shard, start
         self.before = weakref.ref(before) if before is not None else None
-        """The output noted just before this one in the same forward."""
+        """The output noted just before this one on the same group in the same forward."""
         self.saves = self.reads = 0
         self.done = False
         """Every saved view was read once: backward is past it."""
@@ -66,31 +72,69 @@ class _Noted:
             self.pending = self.start(self.shard)
 
 
+def _saved_before(hit: _Noted) -> _Noted | None:
+    """The nearest output noted before ``hit`` on its group that autograd saved and backward
+    has not passed."""
+    ref = hit.before
+    while ref is not None:
+        prev = ref()
+        if prev is None:
+            return None
+        if prev.saves and not prev.done:
+            return prev
+        ref = prev.before
+    return None
+
+
+class Forward:
+    """One forward's notes: where its backward starts gathering."""
+
+    def __init__(self) -> None:
+        self.last: dict[Hashable, _Noted] = {}
+        """Per group: the last output noted."""
+
+    def prefetch(self, *_: Any) -> None:
+        """Start gathering, per group (in a fixed order), the last output this forward saved:
+        its backward reads it first."""
+        for _group, last in sorted(self.last.items(), key=lambda kv: kv[0]):
+            if not last.saves or last.done:
+                last = _saved_before(last)
+            if last is not None:
+                last.prefetch()
+
+    def at_backward(self, t: Any) -> None:
+        """Prefetch once backward reaches ``t`` (the forward's loss)."""
+        if self.last and isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.grad_fn.register_prehook(self.prefetch)
+
+
 class Regather:
     """The rule above, for this process (one rank's program runs in each)."""
 
     def __init__(self) -> None:
         self._noted: dict[int, _Noted] = {}
         self._depth = 0
-        self._last: _Noted | None = None
+        self._last: dict[Hashable, _Noted] = {}
         self.saved = 0
         """How many saved tensors were kept as a shard (read by tests)."""
 
     @contextlib.contextmanager
-    def noting(self) -> Iterator[None]:
+    def noting(self) -> Iterator[Forward]:
         """One forward: outputs gathered with ``regather`` are noted."""
         self._depth += 1
-        outer, self._last = self._last, None
+        outer, self._last = self._last, {}
+        call = Forward()
         try:
-            yield
+            yield call
         finally:
+            call.last = self._last
             self._depth -= 1
             self._last = outer
 
-    def note(self, full: torch.Tensor, shard: torch.Tensor,
+    def note(self, full: torch.Tensor, shard: torch.Tensor, group: Hashable,
              start: Callable[[torch.Tensor], Callable[[], torch.Tensor]]) -> None:
-        """``full`` is what ``start(shard)()`` gives again: save it as the shard while a
-        forward notes."""
+        """``full`` is what ``start(shard)()`` gives again over ``group``: save it as the
+        shard while a forward notes."""
         if not self._depth or not full.numel():
             return
         key = full.untyped_storage().data_ptr()  # a saved view shares the storage
@@ -99,7 +143,8 @@ class Regather:
         def gone(_ref: weakref.ref, key: int = key) -> None:
             noted.pop(key, None)
 
-        noted[key] = self._last = _Noted(weakref.ref(full, gone), shard, start, self._last)
+        noted[key] = self._last[group] = _Noted(weakref.ref(full, gone), shard, start,
+                                                self._last.get(group))
 
     def pack(self, t: torch.Tensor) -> Any | None:
         if not self._noted or t.layout is not torch.strided or not t.numel():
@@ -119,26 +164,13 @@ class Regather:
             hit.prefetch()
             hit.full, hit.pending = hit.pending(), None
             nxt = _saved_before(hit)
-            if nxt is not None:  # what backward reads next: start gathering it now
+            if nxt is not None:  # what backward reads next on this group: start it now
                 nxt.prefetch()
         out = hit.full.as_strided(shape, stride, offset)
         hit.reads += 1
         if hit.reads >= hit.saves:  # the last saved view is read: drop the gather
             hit.full, hit.reads, hit.done = None, 0, True
         return out
-
-
-def _saved_before(hit: _Noted) -> _Noted | None:
-    """The nearest output noted before ``hit`` that autograd saved (alive)."""
-    ref = hit.before
-    while ref is not None:
-        prev = ref()
-        if prev is None:
-            return None
-        if prev.saves and not prev.done:
-            return prev
-        ref = prev.before
-    return None
 
 
 REGATHER = Regather()
@@ -167,15 +199,15 @@ def saved_tensor_hooks(*packers: Packer) -> Any:
 
 
 @contextlib.contextmanager
-def forward_hooks(regather: bool, *others: Packer) -> Iterator[None]:
+def forward_hooks(regather: bool, *others: Packer) -> Iterator[Forward]:
     """The saving rules of one forward: regathered activations (when ``regather``) and
-    ``others`` (ZeRO-3's); nothing at all when there is no rule."""
+    ``others`` (ZeRO-3's); nothing at all when there is no rule. Gives the forward's
+    :class:`Forward` (empty without ``regather``)."""
     packers = ([REGATHER] if regather else []) + list(others)
     if not packers:
-        yield
+        yield Forward()
         return
     with contextlib.ExitStack() as stack:
-        if regather:
-            stack.enter_context(REGATHER.noting())
+        call = stack.enter_context(REGATHER.noting()) if regather else Forward()
         stack.enter_context(saved_tensor_hooks(*packers))
-        yield
+        yield call

@@ -56,7 +56,7 @@ from torchweave.lower.steps import Transfer
 from torchweave.plan.schedules import Action, Kind
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
-from torchweave.runtime.regather import forward_hooks
+from torchweave.runtime.regather import Forward, forward_hooks
 from torchweave.runtime.zb import SplitBackward
 
 _TAG_TRANSFERS = 4096
@@ -83,6 +83,8 @@ class _Live:
     roots: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     split: SplitBackward | None = None
+    regather: Forward = field(default_factory=Forward)
+    """Its forward's regathered activations (runtime/regather.py)."""
 
 
 @dataclass
@@ -222,10 +224,13 @@ class PipelineModule(RankModule):
             src = self._handed.pop((name, m, k))
             b[name] = src.detach().requires_grad_(src.requires_grad) if grad else src
         self.rt.send_roots = []
-        with forward_hooks(self.regather) if grad else torch.no_grad():
-            loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
         if grad:
-            self._live[(s, m)] = _Live(loss, outputs, b, list(self.rt.send_roots))
+            with forward_hooks(self.regather) as call:
+                loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
+            self._live[(s, m)] = _Live(loss, outputs, b, list(self.rt.send_roots), regather=call)
+        else:
+            with torch.no_grad():
+                loss, outputs = self.fns[s](self.rt, self._params, *inputs, b)
         values = {bd.index: outputs[bd.local] for bd in seg.sends}
         for i, link in enumerate(self.program.recycle):
             if not grad and link.output in outputs:
@@ -243,6 +248,7 @@ class PipelineModule(RankModule):
     def _backward(self, s: int, m: int, ex: Exchange, *, to_inputs: bool, to_params: bool) -> None:
         seg, live = self.segments[s], self._live[(s, m)]
         if to_inputs:  # B or I: collect the roots once
+            live.regather.prefetch()  # while the gradients arrive (runtime/regather.py)
             roots, grads = live.roots, live.grads
             if live.loss is not None and live.loss.requires_grad:
                 roots.append(live.loss.float() / self.micro)

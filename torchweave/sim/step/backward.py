@@ -44,8 +44,10 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
     done: set[int] = set()  # units gathered (or prefetched) in backward
     seen: set[int] = set()  # units backward has used
     gathered: set[str] = set()
-    again: set[str] = set()  # regathered activations gathered in this backward
-    ahead = _prefetches(self, state)
+    again: set[str] = set()  # regathered activations read in this backward
+    started: set[str] = set()  # ... and those whose gather is issued
+    ahead, first = _prefetches(self, state)
+    begun: set[int | None] = set()  # stages whose backward has begun
 
     def gather(u: int, p: str, stage: int | None, block: int | None, how: str) -> None:
         done.add(u)
@@ -76,6 +78,15 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
     for idx in range(len(prog.instrs) - 1, -1, -1):
         ins = prog.instrs[idx]
         (stage, crossing), block = self.stage(ins), self.block(ins)
+        if stage not in begun and isinstance(ins, (Compute, Comm)):
+            # a stage's (or the step's) backward begins: the last saved regathered
+            # activation of its forward is gathered from now (runtime/regather.Forward)
+            begun.add(stage)
+            v = first.get(stage)
+            if v is not None:
+                started.add(v)
+                at = (grad(ins.dst),) if isinstance(ins, Comm) else tuple(grad(o) for o in ins.outputs)
+                out.append(_regather(self, state, v, at, r, stage, block))
         if isinstance(ins, Compute) and ins.aux:  # a view, sum or join of pieces: no time
             out.append(Task(LOCAL, f"{ins.node} ({ins.fn}) bwd", tuple(grad(o) for o in ins.outputs),
                             tuple(grad(a) for a in refs_of[idx]), stage=stage, block=block))
@@ -107,14 +118,16 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
                 waits += (regathered(v),)
                 if v in again:
                     continue
-                # the first saved read gathers it again, unless the read before prefetched
-                # it, and prefetches the next (runtime/regather.py)
+                # the first saved read gathers it again, unless it was started ahead, and
+                # starts the next (runtime/regather.py)
                 again.add(v)
                 at = tuple(grad(o) for o in ins.outputs)
-                if v not in ahead:
+                if v not in started:
+                    started.add(v)
                     out.append(_regather(self, state, v, at, r, stage, block))
                 nxt = ahead.get(v)
-                if nxt is not None:
+                if nxt is not None and nxt not in started:
+                    started.add(nxt)
                     out.append(_regather(self, state, nxt, at + (regathered(v),), r, stage, block))
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
                             tuple(grad(a) for a in refs), cost.bwd, stage=stage, block=block))
@@ -208,10 +221,13 @@ class Buckets:
         return group, self.names.pop(group), self.fill.pop(group)
 
 
-def _prefetches(self: StepContext, state: RankForward) -> dict[str, str]:
-    """Regathered activation → the one its first read prefetches: the next that backward
-    reads in the same stage (:mod:`torchweave.runtime.regather`)."""
+def _prefetches(self: StepContext, state: RankForward
+                ) -> tuple[dict[str, str], dict[int | None, str]]:
+    """Regathered activation → the one its first read starts gathering: the next that
+    backward reads in the same stage; and each stage's first (gathered from the start of
+    its backward). :mod:`torchweave.runtime.regather`."""
     last: dict[int | None, str] = {}
+    first: dict[int | None, str] = {}
     ahead: dict[str, str] = {}
     seen: set[str] = set()
     for idx in sorted(state.regather_readers, reverse=True):
@@ -222,16 +238,17 @@ def _prefetches(self: StepContext, state: RankForward) -> dict[str, str]:
             seen.add(v)
             if st in last:
                 ahead[last[st]] = v
+            else:
+                first[st] = v
             last[st] = v
-    return ahead
+    return ahead, first
 
 
 def _regather(self: StepContext, state: RankForward, v: str, waits: tuple, r: int,
               stage: int | None, block: int | None) -> Task:
-    """``v``, saved as its shard, gathered again for backward once ``waits`` are ready;
-    two gathered copies are alive at most (the one read and the one prefetched)."""
+    """``v``, saved as its shard, gathered again for backward once ``waits`` are ready (two
+    gathered copies are alive at most: the forward counts them among the temporaries)."""
     step, size = state.regather[v]
-    state.foot.temporaries = max(state.foot.temporaries, int(2 * size))
     grp = mine(step.groups, r)
     return Task(COMM, f"all_gather {v} again", waits, (regathered(v),),
                 self.comm(Collective.ALL_GATHER, size, grp),

@@ -113,6 +113,9 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
             elif getattr(ins.step, "regather", False):
                 shard_of[ins.dst] = ins.src
                 state.regather[ins.dst] = (ins.step, nbytes[ins.dst])
+                # backward holds two gathered again at most (runtime/regather.py), one
+                # micro-batch's each
+                foot.temporaries = max(foot.temporaries, int(2 * nbytes[ins.dst]) // micro)
         _tag(ctx, fwd, mark, ins, r, nbytes, foot)
     foot.activations += int(sum(kept.values()))
     for base, st in kept_stage.items():
