@@ -110,7 +110,9 @@ def rank_costs(tasks: list[Task], foot: Footprint) -> RankCosts:
         if t.stage is not None:
             for g in t.sets:
                 made_in[g].add(t.stage)
-            if t.kind != LOCAL:
+            if t.kind != LOCAL and not (t.key is not None and t.key.meet is Meet.REGATHER):
+                # (a regathered activation's gather is started ahead on the communication
+                # stream and overlaps the stage's compute: runtime/regather.py)
                 side = out.fwd if i < foot.n_fwd else out.bwd
                 side[t.stage] = side.get(t.stage, 0.0) + t.dur
     for t in tasks:
