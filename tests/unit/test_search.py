@@ -398,3 +398,29 @@ def test_each_family_under_rated_by_its_estimate_is_simulated() -> None:
     assert corrected(order, ests, sim, 1.0, 4) == []
     assert corrected(order, ests, {}, math.inf, 4) == []
 
+
+
+def test_this_machine_is_priced_as_its_own_gpu(monkeypatch) -> None:
+    """``plan: auto`` and ``split=solved`` on a GPU machine price the GPU torch reports, not an
+    H100 whatever it is; a GPU the catalog lacks is priced as an H100 with a warning."""
+    from torchweave.search import local_cluster, local_device
+    from torchweave.sim.hardware.devices import GiB, gpu_entry
+
+    assert gpu_entry("NVIDIA H200", 141 * GiB) == "H200-141GB-SXM"
+    assert gpu_entry("NVIDIA A100-SXM4-80GB", 80 * GiB) == "A100-80GB-SXM"
+    assert gpu_entry("NVIDIA A100-SXM4-40GB", 40 * GiB) == "A100-40GB-SXM"
+    assert gpu_entry("NVIDIA A100 80GB PCIe", 80 * GiB) == "A100-80GB-PCIe"
+    assert gpu_entry("NVIDIA GeForce RTX 3090", 24 * GiB) == "RTX3090"
+    assert gpu_entry("NVIDIA L4", 24 * GiB) is None
+
+    class Props:
+        total_memory = 141 * GiB
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    assert local_device().name == "H200-141GB-SXM"
+    assert local_cluster(8).device.name == "H200-141GB-SXM"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA L4")
+    with pytest.warns(UserWarning, match="'NVIDIA L4' is not in the device catalog"):
+        assert local_device().name == "H100-80GB-SXM"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 
@@ -25,7 +26,7 @@ from torchweave.search.constraints import Constraints, Degrees, OpRule, load_con
 from torchweave.search.intra import Partition, solve, tp_dims
 from torchweave.search.search import Ranked, SearchResult, search
 from torchweave.sim.hardware.cluster import Cluster, cluster_of
-from torchweave.sim.hardware.devices import lookup
+from torchweave.sim.hardware.devices import DEFAULT_GPU, Device, gpu_entry, lookup
 
 
 def is_auto(plan: object) -> bool:
@@ -39,12 +40,26 @@ def needs_search(plan: object) -> bool:
     return is_auto(plan) or (isinstance(plan, str) and "split=solved" in plan.replace(" ", ""))
 
 
+def local_device() -> Device:
+    """This machine's device: its first GPU's catalog entry (by the name torch reports; a GPU
+    the catalog lacks is priced as an H100, with a warning saying how to describe it), else
+    the CPU entry with this machine's core count."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        entry = gpu_entry(name, torch.cuda.get_device_properties(0).total_memory)
+        if entry is None:
+            warnings.warn(f"GPU {name!r} is not in the device catalog: plans are priced as on "
+                          f"{DEFAULT_GPU}. Give its figures in a cluster YAML (--cluster) for "
+                          "predictions of this GPU", stacklevel=2)
+            entry = DEFAULT_GPU
+        return lookup(entry)
+    dev = lookup("CPU-2core")
+    return dataclasses.replace(dev, cores=os.cpu_count() or dev.cores)
+
+
 def local_cluster(world_size: int) -> Cluster:
-    """This machine as ``world_size`` ranks: its GPU model if it has one, else its CPU cores."""
-    dev = lookup("H100-80GB-SXM" if torch.cuda.is_available() else "CPU-2core")
-    if dev.cores is not None:
-        dev = dataclasses.replace(dev, cores=os.cpu_count() or dev.cores)
-    return cluster_of(dev, world_size, world_size)
+    """This machine as ``world_size`` ranks of :func:`local_device`."""
+    return cluster_of(local_device(), world_size, world_size)
 
 
 def resolve(plan: PlanLike, graph: Graph, world_size: int, *, cluster: Cluster | None = None,
@@ -84,4 +99,4 @@ def resolve(plan: PlanLike, graph: Graph, world_size: int, *, cluster: Cluster |
 
 
 __all__ = ["Constraints", "Degrees", "OpRule", "Partition", "Ranked", "SearchResult", "is_auto", "load_constraints",
-           "local_cluster", "needs_search", "preset", "preset_names", "resolve", "search", "solve"]
+           "local_cluster", "local_device", "needs_search", "preset", "preset_names", "resolve", "search", "solve"]

@@ -9,15 +9,13 @@ among ``dp`` and ZeRO 1–3, kept for callers that want only those.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
 from torchweave.api import capture
 from torchweave.ir.graph import Graph
-from torchweave.search import resolve
+from torchweave.search import local_device, resolve
 from torchweave.sim.hardware.cluster import cluster_of
 from torchweave.sim.hardware.devices import lookup
 from torchweave.sim.simulate import simulate
@@ -39,9 +37,7 @@ class Choice:
 
 def choose_plan(graph: Graph, world_size: int, *, device: str | None = None) -> Choice:
     """Simulate every candidate on ``world_size`` ranks of ``device`` (this machine by default)."""
-    dev = lookup(device or ("H100-80GB-SXM" if torch.cuda.is_available() else "CPU-2core"))
-    if device is None and dev.cores is not None:
-        dev = dataclasses.replace(dev, cores=os.cpu_count() or dev.cores)  # this machine's cores
+    dev = lookup(device) if device else local_device()  # this machine's GPU, or its cores
     cluster = cluster_of(dev, world_size, world_size)
     times: dict[str, float] = {}
     oom: list[str] = []

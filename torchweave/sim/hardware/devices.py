@@ -292,6 +292,24 @@ CATALOG: Mapping[str, Device] = types.MappingProxyType({d.name: d for d in _ENTR
 estimates; run ``torchweave calibrate`` to measure them."""
 
 
+_GPUS = (("H200", "H200-141GB-SXM"), ("H100", "H100-80GB-SXM"), ("V100", "V100-32GB-SXM2"),
+         ("RTX 4090", "RTX4090"), ("RTX 3090", "RTX3090"), ("MI250", "MI250"))
+"""A word of the name ``torch.cuda.get_device_name`` reports → its catalog entry."""
+DEFAULT_GPU = "H100-80GB-SXM"
+
+
+def gpu_entry(name: str, total_memory: int) -> str | None:
+    """The catalog entry of a GPU by the name and memory torch reports (``NVIDIA A100-SXM4-80GB``,
+    ``NVIDIA H200``), or None when the catalog has no such GPU."""
+    up = name.upper()
+    if "A100" in up:
+        big = total_memory > 48 * GiB
+        if "PCIE" in up:
+            return "A100-80GB-PCIe" if big else None
+        return "A100-80GB-SXM" if big else "A100-40GB-SXM"
+    return next((entry for word, entry in _GPUS if word in up), None)
+
+
 def lookup(name: str, catalog: Mapping[str, Device] = CATALOG) -> Device:
     """The catalog entry called ``name`` (case-insensitive)."""
     by_lower = {k.lower(): d for k, d in catalog.items()}
