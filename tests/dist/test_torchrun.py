@@ -36,10 +36,15 @@ def test_torchrun_two_ranks_trains_like_one_device(tmp_path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine(3))
     want = []
+    noise: dict[str, torch.Tensor] = {}  # elements whose gradient was rounding-sized at a step
     for _ in range(3):
         loss = model(*inputs)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for name, p in model.named_parameters():
+            g = p.grad.abs()
+            tiny = (g > 0) & (g < 1e-5 * g.max())  # (an unused row's zero is exact)
+            noise[name] = noise[name] | tiny if name in noise else tiny
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -49,7 +54,11 @@ def test_torchrun_two_ranks_trains_like_one_device(tmp_path) -> None:
     saved = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     dcp.load(saved, checkpoint_id=str(tmp_path / "weights"), no_dist=True)
     for name, t in model.state_dict().items():
-        # a key bias's gradient is zero but for rounding (softmax ignores a per-row shift), and
-        # Adam scales that rounding up to a full step: there, bound by 3 steps of lr 1e-3
-        atol = 3e-3 if name.endswith("k_proj.bias") else 1e-5
-        torch.testing.assert_close(saved[name], t, rtol=1e-4, atol=atol, msg=name)
+        # Adam scales a gradient that is rounding noise up to a full step, so where the one-device
+        # gradient was (a key bias's, which softmax's shift invariance makes zero but for rounding,
+        # or an element 1e-5 of its tensor's largest at some step) the bound is 3 steps of lr 1e-3
+        rough = torch.ones_like(t, dtype=torch.bool) if name.endswith("k_proj.bias") else \
+            noise.get(name, torch.zeros_like(t, dtype=torch.bool))
+        assert name.endswith("k_proj.bias") or rough.float().mean() < 0.01, (name, rough.sum())
+        torch.testing.assert_close(saved[name][~rough], t[~rough], rtol=1e-4, atol=1e-5, msg=name)
+        assert bool(((saved[name][rough] - t[rough]).abs() <= 3e-3).all()), name

@@ -250,8 +250,10 @@ class Lowering:
             else:
                 self.param_grad.setdefault(value, ())
         current = {d: self.local.get((value, d), value) for d in self.held[value]}
-        for step in der.steps:
-            if _regathers(step, v, node.name in self.rerun or self.split_backward):
+        for k, step in enumerate(der.steps):
+            # only the gather the reader reads (an earlier one in a chain is saved by none)
+            if k == len(der.steps) - 1 and _regathers(step, v, node.name in self.rerun
+                                                      or self.split_backward):
                 step = replace(step, regather=True)
             self.counter += 1
             new = f"{value}_{name_of(step)}{self.counter}"

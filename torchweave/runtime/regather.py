@@ -143,7 +143,8 @@ class Regather:
         def gone(_ref: weakref.ref, key: int = key) -> None:
             noted.pop(key, None)
 
-        noted[key] = self._last[group] = _Noted(weakref.ref(full, gone), shard, start,
+        base = full._base if full._base is not None else full  # alive while any view is
+        noted[key] = self._last[group] = _Noted(weakref.ref(base, gone), shard, start,
                                                 self._last.get(group))
 
     def pack(self, t: torch.Tensor) -> Any | None:

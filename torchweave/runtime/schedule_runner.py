@@ -248,7 +248,7 @@ class PipelineModule(RankModule):
     def _backward(self, s: int, m: int, ex: Exchange, *, to_inputs: bool, to_params: bool) -> None:
         seg, live = self.segments[s], self._live[(s, m)]
         if to_inputs:  # B or I: collect the roots once
-            live.regather.prefetch()  # while the gradients arrive (runtime/regather.py)
+            live.regather.prefetch()  # before the stage's first read (runtime/regather.py)
             roots, grads = live.roots, live.grads
             if live.loss is not None and live.loss.requires_grad:
                 roots.append(live.loss.float() / self.micro)

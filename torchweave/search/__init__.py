@@ -42,17 +42,19 @@ def needs_search(plan: object) -> bool:
 
 def local_device() -> Device:
     """This machine's device: its first GPU's catalog entry (by the name torch reports; a GPU
-    the catalog lacks is priced as an H100, with a warning saying how to describe it), else
-    the CPU entry with this machine's core count."""
+    the catalog lacks is priced as an H100 with its own memory, with a warning saying how to
+    describe it), else the CPU entry with this machine's core count."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
-        entry = gpu_entry(name, torch.cuda.get_device_properties(0).total_memory)
+        total = torch.cuda.get_device_properties(0).total_memory
+        entry = gpu_entry(name, total)
         if entry is None:
             warnings.warn(f"GPU {name!r} is not in the device catalog: plans are priced as on "
-                          f"{DEFAULT_GPU}. Give its figures in a cluster YAML (--cluster) for "
-                          "predictions of this GPU", stacklevel=2)
+                          f"{DEFAULT_GPU}, with this GPU's memory. Give its figures in a cluster "
+                          "YAML (--cluster) for predictions of this GPU", stacklevel=2)
             entry = DEFAULT_GPU
-        return lookup(entry)
+        dev = lookup(entry)  # never more memory than the GPU has (a catalog entry's may be more)
+        return dataclasses.replace(dev, memory_bytes=min(dev.memory_bytes, total))
     dev = lookup("CPU-2core")
     return dataclasses.replace(dev, cores=os.cpu_count() or dev.cores)
 

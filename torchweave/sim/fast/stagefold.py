@@ -132,7 +132,7 @@ def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShap
     costs, feet, grads = {}, {}, {}
     for prog in programs:
         ts, feet[prog.rank] = builder.tasks(prog)
-        costs[prog.rank] = rank_costs(ts, feet[prog.rank])
+        costs[prog.rank] = rank_costs(ts, feet[prog.rank], cluster.device.comm_overlaps_compute)
         made_in: dict = {}
         for t in ts:
             if t.stage is not None:

@@ -11,6 +11,7 @@ at hand.
 
 from __future__ import annotations
 
+import re
 import types
 from dataclasses import dataclass, fields
 from typing import Literal, Mapping
@@ -292,22 +293,32 @@ CATALOG: Mapping[str, Device] = types.MappingProxyType({d.name: d for d in _ENTR
 estimates; run ``torchweave calibrate`` to measure them."""
 
 
-_GPUS = (("H200", "H200-141GB-SXM"), ("H100", "H100-80GB-SXM"), ("V100", "V100-32GB-SXM2"),
-         ("RTX 4090", "RTX4090"), ("RTX 3090", "RTX3090"), ("MI250", "MI250"))
-"""A word of the name ``torch.cuda.get_device_name`` reports → its catalog entry."""
 DEFAULT_GPU = "H100-80GB-SXM"
 
 
 def gpu_entry(name: str, total_memory: int) -> str | None:
     """The catalog entry of a GPU by the name and memory torch reports (``NVIDIA A100-SXM4-80GB``,
-    ``NVIDIA H200``), or None when the catalog has no such GPU."""
-    up = name.upper()
-    if "A100" in up:
-        big = total_memory > 48 * GiB
-        if "PCIE" in up:
-            return "A100-80GB-PCIe" if big else None
-        return "A100-80GB-SXM" if big else "A100-40GB-SXM"
-    return next((entry for word, entry in _GPUS if word in up), None)
+    ``NVIDIA H200``, ``Tesla V100-SXM2-32GB``), or None where the catalog has no entry for that
+    exact model: its PCIe and NVL forms of H100 and H200 (no NVLink switch), GH200, 16 GB
+    V100s, 40 GB PCIe A100s, MIG slices and anything else."""
+    words = set(re.split(r"[^A-Z0-9]+", name.upper()))
+    if "MIG" in words:
+        return None
+    pcie = bool(words & {"PCIE", "NVL"})
+    gb = total_memory / GiB
+    if "A100" in words:
+        if pcie:
+            return "A100-80GB-PCIe" if gb > 48 else None
+        return "A100-80GB-SXM" if gb > 48 else "A100-40GB-SXM"
+    if "H100" in words or "H200" in words:
+        return None if pcie else ("H200-141GB-SXM" if "H200" in words else "H100-80GB-SXM")
+    if "V100" in words or any(w.startswith("V100") for w in words):
+        return "V100-32GB-SXM2" if gb > 24 and not pcie else None
+    if "RTX" in words and words & {"3090", "4090"}:
+        return "RTX3090" if "3090" in words else "RTX4090"
+    if words & {"MI250", "MI250X"}:
+        return "MI250"
+    return None
 
 
 def lookup(name: str, catalog: Mapping[str, Device] = CATALOG) -> Device:

@@ -37,7 +37,7 @@ from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.step.engine import COMM, COMPUTE, LOCAL, Task
 from torchweave.sim.step.schedule import PipelineStep, StageCost, simulate_schedule
-from torchweave.sim.step.signals import Meet
+from torchweave.sim.step.signals import Meet, Of, Signal
 from torchweave.sim.step.state import Footprint
 
 
@@ -101,8 +101,18 @@ class RankCosts:
                 + sum(s.seconds for s in self.gathers.values()))
 
 
-def rank_costs(tasks: list[Task], foot: Footprint) -> RankCosts:
-    """One rank's :class:`RankCosts` from its tasks (:mod:`torchweave.sim.step.build`)."""
+def _hidden(t: Task, overlaps: bool) -> bool:
+    """A regathered activation's gather started while the one before it is read
+    (runtime/regather.py): it overlaps the stage's compute, where the device overlaps
+    communication with compute. A stage's first one meets the backward's first collective
+    on its group, so it is charged."""
+    return (overlaps and t.key is not None and t.key.meet is Meet.REGATHER
+            and any(isinstance(w, Signal) and w.of is Of.REGATHERED for w in t.waits))
+
+
+def rank_costs(tasks: list[Task], foot: Footprint, overlaps: bool = True) -> RankCosts:
+    """One rank's :class:`RankCosts` from its tasks (:mod:`torchweave.sim.step.build`);
+    ``overlaps``: the device's ``comm_overlaps_compute``."""
     out = RankCosts(activations=dict(foot.stage_activations), boundary=dict(foot.boundary),
                     extra_activations=foot.activations - sum(foot.stage_activations.values()))
     made_in: dict = defaultdict(set)  # gradient signal -> stages producing it
@@ -110,9 +120,7 @@ def rank_costs(tasks: list[Task], foot: Footprint) -> RankCosts:
         if t.stage is not None:
             for g in t.sets:
                 made_in[g].add(t.stage)
-            if t.kind != LOCAL and not (t.key is not None and t.key.meet is Meet.REGATHER):
-                # (a regathered activation's gather is started ahead on the communication
-                # stream and overlaps the stage's compute: runtime/regather.py)
+            if t.kind != LOCAL and not _hidden(t, overlaps):
                 side = out.fwd if i < foot.n_fwd else out.bwd
                 side[t.stage] = side.get(t.stage, 0.0) + t.dur
     for t in tasks:

@@ -97,7 +97,8 @@ def memory_use(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tu
 def run_pipelined(graph, plan, cluster, programs, builder, tasks, feet, *, dtype, model, strict,
                tokens_per_step, timeline) -> SimResult:
     """A pipelined plan: per-stage costs, the schedule, then sync and optimizer."""
-    costs = {r: rank_costs(tasks[r], feet[r]) for r in sorted(tasks)}
+    overlaps = cluster.device.comm_overlaps_compute
+    costs = {r: rank_costs(tasks[r], feet[r], overlaps) for r in sorted(tasks)}
     step, finish = run_pipeline(plan, cluster, costs, recycled_bytes(graph, plan))
     ranks = sorted(tasks)
     memory = memory_use(plan, programs, feet, ranks, dtype, pipeline_activations(plan, step, costs))
