@@ -62,7 +62,8 @@ class Lowering:
         self.split_backward = False
         """A schedule with W actions: backward runs each saved read twice (runtime/zb.py)."""
         self.whole: set[str] = set()
-        """Gathered names a node that runs again reads: kept whole, not regathered."""
+        """Local names a node that runs again in backward reads: a gather that makes one keeps
+        it whole, not regathered (a recompute group or co-shard region keeps its inputs)."""
 
     # ------------------------------------------------------------ driver
     def run(self) -> list[Program]:
@@ -230,7 +231,7 @@ class Lowering:
         if key in self.cache:
             self.reads.append((value, node.name, self._kinds[key]))
             if node.name in self.rerun:
-                self.whole.update(self.cache[key].values())
+                self.whole.update(self.cache[key].values())  # (see _finish)
             return dict(self.cache[key])
         if self._between_stages(value, node):
             # a pipeline boundary: explicit transfers, whose backward sends the gradient to
@@ -252,8 +253,7 @@ class Lowering:
         current = {d: self.local.get((value, d), value) for d in self.held[value]}
         for k, step in enumerate(der.steps):
             # only the gather the reader reads (an earlier one in a chain is saved by none)
-            if k == len(der.steps) - 1 and _regathers(step, v, node.name in self.rerun
-                                                      or self.split_backward):
+            if k == len(der.steps) - 1 and not self.split_backward and _regathers(step, v):
                 step = replace(step, regather=True)
             self.counter += 1
             new = f"{value}_{name_of(step)}{self.counter}"
@@ -263,6 +263,8 @@ class Lowering:
                                                     f"{name_of(step)} for {node.name}", node.name))
                 current[d] = new
         names = {d: current.get(d, value) for d in needs}
+        if node.name in self.rerun:
+            self.whole.update(names.values())  # (see _finish)
         self.cache[key] = names
         return dict(names)
 
@@ -314,15 +316,14 @@ class Lowering:
             _insert_frees(prog)
 
 
-def _regathers(step, value, rerun: bool) -> bool:
+def _regathers(step, value) -> bool:
     """Megatron-LM's rule for sequence parallelism: a gathered activation whose readers are
     different pieces of a split op (the gather's backward reduce-scatters) is saved for
     backward as its shard and gathered again there (:mod:`torchweave.runtime.regather`).
-    Not for parameters (their pieces are held anyway), nor where a reader runs again in
-    backward (a recompute group or co-shard region keeps its inputs whole: ``rerun``,
-    and ``Lowering.whole`` for later readers), nor under a schedule that splits backward
-    in two (zero-bubble's I and W both read what a matmul saved: ``rerun`` too)."""
-    return (isinstance(step, AllGather) and step.bwd == "reduce_scatter" and not rerun
+    Not for parameters (their pieces are held anyway); nor, decided by the caller, where a
+    reader runs again in backward (``Lowering.whole``) or under a schedule that splits
+    backward in two (zero-bubble's I and W would both read what a matmul saved)."""
+    return (isinstance(step, AllGather) and step.bwd == "reduce_scatter"
             and value.kind not in ("param", "buffer") and value.meta.dtype.is_floating_point)
 
 

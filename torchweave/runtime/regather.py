@@ -96,7 +96,8 @@ class Forward:
     def prefetch(self, *_: Any) -> None:
         """Start gathering, per group (in a fixed order), the last output this forward saved:
         its backward reads it first."""
-        for _group, last in sorted(self.last.items(), key=lambda kv: kv[0]):
+        for group in sorted(self.last):
+            last = self.last[group]
             if not last.saves or last.done:
                 last = _saved_before(last)
             if last is not None:

@@ -312,7 +312,7 @@ def gpu_entry(name: str, total_memory: int) -> str | None:
         return "A100-80GB-SXM" if gb > 48 else "A100-40GB-SXM"
     if "H100" in words or "H200" in words:
         return None if pcie else ("H200-141GB-SXM" if "H200" in words else "H100-80GB-SXM")
-    if "V100" in words or any(w.startswith("V100") for w in words):
+    if any(w.startswith("V100") for w in words):  # V100, V100S
         return "V100-32GB-SXM2" if gb > 24 and not pcie else None
     if "RTX" in words and words & {"3090", "4090"}:
         return "RTX3090" if "3090" in words else "RTX4090"

@@ -44,10 +44,7 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
     done: set[int] = set()  # units gathered (or prefetched) in backward
     seen: set[int] = set()  # units backward has used
     gathered: set[str] = set()
-    again: set[str] = set()  # regathered activations read in this backward
-    started: set[str] = set()  # ... and those whose gather is issued
-    ahead, first = _prefetches(self, state)
-    begun: set[int | None] = set()  # stages whose backward has begun
+    ahead, first = _prefetches(self, state)  # popped as their gathers are issued
 
     def gather(u: int, p: str, stage: int | None, block: int | None, how: str) -> None:
         done.add(u)
@@ -78,15 +75,12 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
     for idx in range(len(prog.instrs) - 1, -1, -1):
         ins = prog.instrs[idx]
         (stage, crossing), block = self.stage(ins), self.block(ins)
-        if stage not in begun and isinstance(ins, (Compute, Comm)):
+        v = first.pop(stage, None) if isinstance(ins, (Compute, Comm)) else None
+        if v is not None:
             # a stage's (or the step's) backward begins: the last saved regathered
             # activation of its forward is gathered from now (runtime/regather.Forward)
-            begun.add(stage)
-            v = first.get(stage)
-            if v is not None:
-                started.add(v)
-                at = (grad(ins.dst),) if isinstance(ins, Comm) else tuple(grad(o) for o in ins.outputs)
-                out.append(_regather(self, state, v, at, r, stage, block))
+            at = (grad(ins.dst),) if isinstance(ins, Comm) else tuple(grad(o) for o in ins.outputs)
+            out.append(_regather(self, state, v, at, r, stage, block))
         if isinstance(ins, Compute) and ins.aux:  # a view, sum or join of pieces: no time
             out.append(Task(LOCAL, f"{ins.node} ({ins.fn}) bwd", tuple(grad(o) for o in ins.outputs),
                             tuple(grad(a) for a in refs_of[idx]), stage=stage, block=block))
@@ -116,19 +110,10 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
                 if p in gathered and unit_of.get(p) != kept)
             for v in state.regather_readers.get(idx, ()):
                 waits += (regathered(v),)
-                if v in again:
-                    continue
-                # the first saved read gathers it again, unless it was started ahead, and
-                # starts the next (runtime/regather.py)
-                again.add(v)
-                at = tuple(grad(o) for o in ins.outputs)
-                if v not in started:
-                    started.add(v)
-                    out.append(_regather(self, state, v, at, r, stage, block))
-                nxt = ahead.get(v)
-                if nxt is not None and nxt not in started:
-                    started.add(nxt)
-                    out.append(_regather(self, state, nxt, at + (regathered(v),), r, stage, block))
+                nxt = ahead.pop(v, None)  # v's first read starts the next (runtime/regather.py)
+                if nxt is not None:
+                    at = tuple(grad(o) for o in ins.outputs) + (regathered(v),)
+                    out.append(_regather(self, state, nxt, at, r, stage, block))
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
                             tuple(grad(a) for a in refs), cost.bwd, stage=stage, block=block))
             for p in refs:
@@ -225,7 +210,8 @@ def _prefetches(self: StepContext, state: RankForward
                 ) -> tuple[dict[str, str], dict[int | None, str]]:
     """Regathered activation → the one its first read starts gathering: the next that
     backward reads in the same stage; and each stage's first (gathered from the start of
-    its backward). :mod:`torchweave.runtime.regather`."""
+    its backward). Every regathered activation is one of these, so each is gathered once,
+    before its first read. :mod:`torchweave.runtime.regather`."""
     last: dict[int | None, str] = {}
     first: dict[int | None, str] = {}
     ahead: dict[str, str] = {}
