@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.ir.graph import Graph, Node, Ref, TensorMeta, Value
+from torchweave.ir.graph import Graph, Node, Ref, TensorMeta, Value, part_target
 
 VERSION = 1
 SUFFIX = ".graph.json"
@@ -46,7 +46,7 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
 _LAYOUTS = {"strided": torch.strided}
 _DEVICES = ("meta", "cpu", "cuda")
 _GRAPH_KEYS = {"version", "model_name", "inputs", "outputs", "loss", "values", "nodes", "meta"}
-_VALUE_KEYS = {"shape", "dtype", "kind", "target", "aliases", "requires_grad"}
+_VALUE_KEYS = {"shape", "dtype", "kind", "target", "aliases", "requires_grad", "part"}
 _NODE_KEYS = {"name", "target", "args", "kwargs", "outputs", "source", "source_line", "module",
               "output_structure"}
 _KINDS = ("param", "buffer", "input", "activation")
@@ -86,7 +86,9 @@ def graph_to_json(graph: Graph) -> str:
         "inputs": list(graph.inputs), "outputs": list(graph.outputs), "loss": graph.loss,
         "values": {n: {"shape": list(v.meta.shape), "dtype": str(v.meta.dtype).removeprefix("torch."),
                        "kind": v.kind, "target": v.target, "aliases": list(v.aliases),
-                       "requires_grad": v.requires_grad} for n, v in graph.values.items()},
+                       "requires_grad": v.requires_grad,
+                       **({"part": list(v.part)} if v.part is not None else {})}
+                   for n, v in graph.values.items()},
         "nodes": [{"name": n.name, "target": n.target, "args": _arg(list(n.args)),
                    "kwargs": {k: _arg(v) for k, v in n.kwargs.items()},
                    "outputs": list(n.outputs), "source": n.source, "source_line": n.source_line,
@@ -197,10 +199,31 @@ class _Reader:
             self.bad(f"value {name!r} requires_grad", req, "true or false")
         if dtype is None or kind not in _KINDS:
             return None
-        return Value(name, TensorMeta(dims, dtype), kind, self.text(f"value {name!r} target",
-                                                                    d.get("target", ""), _PATH),
+        part = self.part(name, d, dims, kind)
+        target = d.get("target", "")
+        if part is None:
+            target = self.text(f"value {name!r} target", target, _PATH)
+        elif target != part_target(part[0], part[1], part[2], part[2] + dims[part[1]]):
+            self.bad(f"value {name!r} target", target, "a part's target names its module tensor "
+                     f"and slice: {part_target(part[0], part[1], part[2], part[2] + dims[part[1]])}")
+        return Value(name, TensorMeta(dims, dtype), kind, target,
                      tuple(self.text(f"value {name!r} alias", a, _PATH) for a in aliases),
-                     req is True)
+                     req is True, part)
+
+    def part(self, name: str, d: dict, dims: tuple[int, ...], kind: str) -> tuple[str, int, int] | None:
+        """A parameter's ``part`` (module path, dim, start), checked; None without one."""
+        if "part" not in d:
+            return None
+        x = d["part"]
+        if kind != "param" or not isinstance(x, list) or len(x) != 3:
+            self.bad(f"value {name!r} part", x, "a parameter's [module path, dim, start]")
+            return None
+        path = self.text(f"value {name!r} part path", x[0], _PATH)
+        dim, start = self.whole(f"value {name!r} part dim", x[1]), self.whole(f"value {name!r} part start", x[2])
+        if dim >= len(dims):
+            self.bad(f"value {name!r} part dim", dim, f"a dim of its shape {list(dims)}")
+            return None
+        return (path, dim, start) if path else None
 
     def node(self, i: int, d: Any) -> Node | None:
         from torchweave.ops import REGISTRY
@@ -266,6 +289,7 @@ def graph_from_json(text: str) -> Graph:
             v = r.value(name, d)
             if v is not None:
                 values[name] = v
+    _check_parts(r, values)
     nodes_in = data.get("nodes")
     if not isinstance(nodes_in, list):
         r.bad("nodes", type(nodes_in).__name__, "a list")
@@ -303,6 +327,23 @@ def graph_from_json(text: str) -> Graph:
         graph.meta["recycle"] = links
     annotate(graph)
     return graph
+
+
+def _check_parts(r: _Reader, values: dict[str, Value]) -> None:
+    """The parts of one module tensor cut it along one dim, end to end from 0, once each."""
+    cuts: dict[str, list[Value]] = {}
+    for v in values.values():
+        if v.part is not None:
+            cuts.setdefault(v.part[0], []).append(v)
+    for path, vs in cuts.items():
+        vs.sort(key=lambda v: v.part[2])  # type: ignore[index]
+        dim, at = vs[0].part[1], 0  # type: ignore[index]
+        for v in vs:
+            if v.part[1] != dim or v.part[2] != at:  # type: ignore[index]
+                r.bad(f"value {v.name!r} part", list(v.part), f"the parts of {path} cut one dim "  # type: ignore[arg-type]
+                      "end to end, each starting where the one before stops")
+                break
+            at += v.meta.shape[dim]
 
 
 def load_graph(path: str) -> Graph:

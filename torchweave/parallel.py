@@ -19,7 +19,7 @@ from torchweave.api import capture
 from torchweave.codegen.render import write
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.graphfile import DTYPES, graph_from_json, graph_to_json
-from torchweave.ir.graph import Graph
+from torchweave.ir.graph import Graph, param_tensor
 from torchweave.lower.lower import lower
 from torchweave.lower.program import Comm, Program
 from torchweave.lower.steps import P2P
@@ -67,6 +67,9 @@ def model_state(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]
         state.setdefault(k, v.detach().cpu())
     for k, v in graph.meta.get("constants", {}).items():
         state[k] = v.detach().cpu()
+    for v in graph.params():  # a fused projection's parts: views of the module's tensor
+        if v.part is not None:
+            state[v.target] = param_tensor(state, v)
     return state
 
 

@@ -80,6 +80,7 @@ class Shapes(nn.Module):
         st = torch.stack([s, s2 * 2.0], dim=1)               # [B 2 D]
         parts = x.unbind(1)                                  # T tensors [B D]
         head, tail = x.split([4, 12], dim=-1)                # split_with_sizes
+        halves = x.split(4, dim=1)                           # split.Tensor (not on a projection)
         proj = x @ self.w.t()                                # t, matmul [B T T]
         tri = proj.tril() - proj.triu(1)
         rep = st.repeat(1, 2, 1)                             # [B 4 D]
@@ -91,7 +92,7 @@ class Shapes(nn.Module):
         c = x.clone()
         d = x.detach()
         const = torch.tensor([1.0, -1.0, 0.5, 2.0])          # lift_fresh_copy
-        out = n + rep + parts[0].unsqueeze(1) + parts[-1].unsqueeze(1)
+        out = n + rep + parts[0].unsqueeze(1) + parts[-1].unsqueeze(1) + halves[0] * halves[1]
         return (out, tri, pad + tail[..., :8], g * const, sc + sa + c - d)
 
 

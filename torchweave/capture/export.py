@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
 from torchweave.capture.normalize import normalize
+from torchweave.capture.unfuse import unfuse
 from torchweave.capture.regions import inline_regions
 from torchweave.capture.source import location_from_exception, location_from_stack_trace
 from torchweave.errors import CaptureError, Problem
@@ -56,6 +57,7 @@ def capture(
         ep = _functional(ep, model, exc_args=(arg_names, example_inputs, example_kwargs))
     graph = _convert(model, ep, arg_names, name or type(model).__name__)
     normalize(graph)
+    unfuse(graph)
     check_graph(graph)
     return graph
 

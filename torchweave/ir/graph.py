@@ -67,6 +67,40 @@ class Value:
     aliases: tuple[str, ...] = ()
     """Other module paths of the same tensor (tied weights)."""
     requires_grad: bool = False
+    part: tuple[str, int, int] | None = None
+    """``(module path, dim, start)``: this parameter is the slice ``[start, start + size)``
+    along ``dim`` of the module tensor at that path, not a whole module tensor. Capture
+    splits a fused projection so (:mod:`torchweave.capture.unfuse`); :func:`part_target`
+    names it, and :func:`param_tensor` reads it from a module's state."""
+
+
+def part_target(path: str, dim: int, start: int, stop: int) -> str:
+    """The name of a parameter that is a slice of a module tensor: ``path[:, a:b]``."""
+    return f"{path}[{':,' * dim}{start}:{stop}]"
+
+
+def param_tensor(state: "Any", v: Value) -> torch.Tensor:
+    """``v``'s tensor from a state keyed by module paths (a slice, for a part)."""
+    if v.part is None:
+        return state[v.target]
+    path, dim, start = v.part
+    return state[path].narrow(dim, start, v.meta.shape[dim])
+
+
+def join_parts(graph: "Graph", tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A dict by graph target as one by module path: the parts of a module tensor (each
+    :attr:`Value.part`) joined into it. A module tensor missing a part is left out."""
+    groups: dict[str, list[Value]] = {}
+    for v in graph.params():
+        if v.part is not None:
+            groups.setdefault(v.part[0], []).append(v)
+    out = {k: t for k, t in tensors.items()
+           if not any(k == v.target for vs in groups.values() for v in vs)}
+    for path, vs in groups.items():
+        vs.sort(key=lambda v: v.part[2])  # type: ignore[index]
+        if all(v.target in tensors for v in vs):
+            out[path] = torch.cat([tensors[v.target] for v in vs], dim=vs[0].part[1])  # type: ignore[index]
+    return out
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 import torch.utils._pytree as pytree
 
-from torchweave.ir.graph import Graph, Node, Ref
+from torchweave.ir.graph import Graph, Node, Ref, param_tensor
 
 
 def substitute(tree: Any, env: Mapping[str, torch.Tensor]) -> Any:
@@ -51,7 +51,7 @@ def run_graph(
     env: dict[str, torch.Tensor] = {}
     for v in graph.values.values():
         if v.kind in ("param", "buffer"):
-            env[v.name] = state[v.target]
+            env[v.name] = param_tensor(state, v)
     if len(inputs) != len(graph.inputs):
         raise ValueError(f"graph takes {len(graph.inputs)} inputs, got {len(inputs)}")
     env.update(zip(graph.inputs, inputs))

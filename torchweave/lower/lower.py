@@ -288,7 +288,7 @@ class Lowering:
                 replicas = sum(1 for q in held.values() if q.box == piece.box)
                 self.programs[d].params.append(ParamSlot(
                     name, v.target, piece.box, v.meta.shape, v.requires_grad,
-                    v.kind == "buffer", groups, replicas))
+                    v.kind == "buffer", groups, replicas, v.part))
         loss = self.graph.loss
         if loss is not None:
             held = self.held[loss]

@@ -87,6 +87,10 @@ class ParamSlot:
     """Groups over which this piece's gradient is summed after backward."""
     replicas: int = 1
     """How many ranks hold this same piece (for global norms)."""
+    part: tuple[str, int, int] | None = None
+    """For a parameter that is a slice of a module tensor (:attr:`Value.part
+    <torchweave.ir.graph.Value.part>`): ``(module path, dim, start)``; ``path`` then names the
+    slice, and ``box`` is within it."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.utils._pytree as pytree
 
-from torchweave.ir.graph import Graph, Node, TensorMeta
+from torchweave.ir.graph import Graph, Node, TensorMeta, param_tensor
 from torchweave.ir.interp import on_device, run_node, substitute
 from torchweave.ops.bind import Bound, Split, bind
 from torchweave.ops.pieces import _close, combine, piece_call
@@ -114,7 +114,7 @@ def graph_cases(graph: Graph, state: Mapping[str, torch.Tensor],
     consts = graph.meta.get("constants", {})
     for v in graph.values.values():
         if v.kind in ("param", "buffer"):
-            t = state[v.target] if v.target in state else consts[v.target]
+            t = param_tensor(state, v) if v.target in state or v.part else consts[v.target]
             env[v.name] = t if device is None else t.to(device)
     env.update(zip(graph.inputs, inputs))
     with torch.no_grad():

@@ -41,15 +41,25 @@ class StateLayout:
     """The model's ``state_dict`` key → the path the ranks hold (tied weights: one path)."""
     fixed: dict[str, torch.Tensor] = field(default_factory=dict)
     """Keys no rank holds (state the graph never reads): their value as given."""
+    parts: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
+    """A module tensor the ranks hold as parts (a fused projection split by capture) → each
+    part's ``(path, dim, start)``. Its ``pieces`` are the parts' pieces, moved to its own
+    coordinates."""
 
 
 def state_layout(model: torch.nn.Module, programs: Iterable[Program],
                  state: dict[str, torch.Tensor]) -> StateLayout:
     held: dict[str, dict[Box, int]] = {}
+    parts: dict[str, dict[str, tuple[str, int, int]]] = {}
     for prog in programs:
         for slot in prog.params:
             box = tuple((int(a), int(b)) for a, b in slot.box)
             held.setdefault(slot.path, {}).setdefault(box, prog.rank)
+            if slot.part is not None:
+                parts.setdefault(slot.part[0], {})[slot.path] = (slot.path, *slot.part[1:])
+    for whole, of in parts.items():  # a joined tensor's pieces: its parts', moved
+        held[whole] = {moved_box(box, dim, start): owner for path, dim, start in of.values()
+                       for box, owner in held[path].items()}
     own = model.state_dict(keep_vars=True)
     names: dict[int, list[str]] = {}
     for k, v in own.items():
@@ -69,10 +79,25 @@ def state_layout(model: torch.nn.Module, programs: Iterable[Program],
                 obj=f"parameter {p}", value=f"pieces of {volume} elements in all",
                 rule=f"the ranks' distinct pieces tile its {state[p].numel()} elements once",
                 fix="report this plan: its pieces overlap or leave a gap"))
+    joined = {w: sorted(of.values(), key=lambda x: x[2]) for w, of in parts.items() if w in paths}
+    paths |= {path for of in joined.values() for path, _, _ in of}
     return StateLayout(
         pieces={p: sorted(held[p].items()) for p in paths},
         shapes={p: tuple(state[p].shape) for p in paths},
-        dtypes={p: state[p].dtype for p in paths}, keys=keys, fixed=fixed)
+        dtypes={p: state[p].dtype for p in paths}, keys=keys, fixed=fixed, parts=joined)
+
+
+def moved_box(box: Box, dim: int, start: int) -> Box:
+    """A box of a part, in the coordinates of the tensor it is a slice of."""
+    return tuple((a + start, b + start) if i == dim else (a, b) for i, (a, b) in enumerate(box))
+
+
+def _mine(layout: StateLayout, path: str, pieces: dict[str, torch.Tensor], rank: int) -> dict[Box, torch.Tensor]:
+    """The pieces of ``path`` that ``rank`` owns, by box (a joined tensor's: its parts')."""
+    if path in layout.parts:
+        return {moved_box(box, dim, start): pieces[part] for part, dim, start in layout.parts[path]
+                for box, owner in layout.pieces[part] if owner == rank}
+    return {box: pieces[path] for box, owner in layout.pieces[path] if owner == rank}
 
 
 def _box(t: torch.Tensor, box: Box) -> torch.Tensor:
@@ -129,7 +154,7 @@ def _wholes(layout: StateLayout, mine: dict[str, dict[Box, torch.Tensor]],
 def full_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: int,
                device: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    mine = {path: {box: pieces[path] for box, owner in layout.pieces[path] if owner == rank}
+    mine = {path: _mine(layout, path, pieces, rank)
             for path in dict.fromkeys(layout.keys.values())}  # the same order on every rank
     done = _wholes(layout, mine, device)
     for key, path in layout.keys.items():
@@ -160,11 +185,11 @@ def sharded_state(layout: StateLayout, pieces: dict[str, torch.Tensor], rank: in
     for key, path in layout.keys.items():
         if path not in done:
             shape, dtype = layout.shapes[path], layout.dtypes[path]
-            t = pieces.get(path)  # None on a rank that holds no piece (another pipeline stage)
+            mine = _mine(layout, path, pieces, rank)  # none on a rank of another pipeline stage
             metas = [ShardMetadata([a for a, _ in box], [b - a for a, b in box],
                                    _placement(owner, rank, device))
                      for box, owner in layout.pieces[path]]
-            local = [Shard(t.detach(), m) for (box, owner), m in zip(layout.pieces[path], metas)
+            local = [Shard(mine[box].detach(), m) for (box, owner), m in zip(layout.pieces[path], metas)
                      if owner == rank]
             owners = {owner for _, owner in layout.pieces[path]}
             if shape:  # ranks that own no piece hold an empty one (ShardedTensor asks a
@@ -224,4 +249,6 @@ def load_full(layout: StateLayout, state: dict[str, Any], *, strict: bool, rank:
             out[path] = _whole(layout, path, mine, device)
         else:
             out[path] = v.detach()
+        for part, dim, start in layout.parts.get(path, ()):  # the ranks hold it as parts
+            out[part] = out[path].narrow(dim, start, layout.shapes[part][dim])
     return out

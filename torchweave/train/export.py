@@ -10,6 +10,7 @@ import torch
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
+from torchweave.runtime.statedict import moved_box
 
 Pieces = Mapping[str, tuple[Any, torch.Tensor]]
 """Path → (box, local piece): what :meth:`RankModule.state_pieces` returns."""
@@ -30,6 +31,11 @@ def model_layout(graph: Graph, state_keys: Iterable[str]) -> tuple[dict[str, tup
     keys = set(state_keys)
     shapes: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, tuple[str, ...]] = {}
+    for path, dim, start, v in ((*v.part, v) for v in graph.params() if v.part is not None):
+        if path in keys:  # a module tensor the graph holds as parts: its whole shape
+            shape = list(shapes.get(path, v.meta.shape))
+            shape[dim] = max(shape[dim] if path in shapes else 0, start + v.meta.shape[dim])
+            shapes[path] = tuple(shape)
     for v in graph.params() + graph.buffers():
         names = [n for n in (v.target, *v.aliases) if n in keys]
         if not names:
@@ -41,13 +47,20 @@ def model_layout(graph: Graph, state_keys: Iterable[str]) -> tuple[dict[str, tup
     return shapes, aliases
 
 
-def merge_pieces(pieces_by_rank: Sequence[Pieces],
-                 shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
-    """Full tensors of ``shapes`` assembled from every rank's pieces, checked for full cover."""
+def merge_pieces(pieces_by_rank: Sequence[Pieces], shapes: Mapping[str, Sequence[int]],
+                 parts: Mapping[str, tuple[str, int, int]] | None = None) -> dict[str, torch.Tensor]:
+    """Full tensors of ``shapes`` assembled from every rank's pieces, checked for full cover.
+
+    ``parts``: the path of a piece that is a slice of a module tensor → ``(module path, dim,
+    start)`` (:attr:`ParamSlot.part <torchweave.lower.program.ParamSlot.part>`): its piece
+    lands there."""
     out: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = {}
     for pieces in pieces_by_rank:
         for path, (box, t) in pieces.items():
+            if parts and path in parts:
+                path, dim, start = parts[path]
+                box = moved_box(box, dim, start)
             if path not in shapes:
                 continue  # a lifted constant, or a buffer outside the state dict
             shape = tuple(shapes[path])
@@ -76,10 +89,12 @@ def merge_pieces(pieces_by_rank: Sequence[Pieces],
 
 def export_safetensors(pieces_by_rank: Sequence[Pieces], shapes: Mapping[str, Sequence[int]],
                        path: str | os.PathLike, *,
-                       aliases: Mapping[str, Iterable[str]] | None = None) -> dict[str, torch.Tensor]:
+                       aliases: Mapping[str, Iterable[str]] | None = None,
+                       parts: Mapping[str, tuple[str, int, int]] | None = None) -> dict[str, torch.Tensor]:
     """Merge every rank's pieces into full tensors and write them to ``path`` (safetensors).
 
     ``shapes``: path → full shape of each tensor to write (see :func:`model_layout`).
+    ``parts``: as :func:`merge_pieces` takes them.
     ``aliases``: path → other state-dict names of the same tensor (tied
     weights); each is written as its own copy, since safetensors stores no
     shared tensors, so that ``load_state_dict(strict=True)`` finds every key.
@@ -87,7 +102,7 @@ def export_safetensors(pieces_by_rank: Sequence[Pieces], shapes: Mapping[str, Se
     """
     from safetensors.torch import save_file
 
-    full = merge_pieces(pieces_by_rank, shapes)
+    full = merge_pieces(pieces_by_rank, shapes, parts)
     for src, others in (aliases or {}).items():
         for name in others:
             full[name] = full[src].clone()

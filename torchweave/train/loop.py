@@ -226,11 +226,14 @@ class Trainer:
         if not self.cfg.export:
             return None
         pieces = {k: (box, t.cpu()) for k, (box, t) in self.module.state_pieces().items()}
+        parts = {s.path: s.part for s in self.module.program.params if s.part is not None}
         everyone: list[Any] | None = [None] * self.ctx.world_size if self.rank == 0 else None
-        dist.gather_object(pieces, everyone, dst=0)
+        dist.gather_object((pieces, parts), everyone, dst=0)
         if self.rank != 0:
             return None
-        held = set().union(*(p.keys() for p in everyone))
+        parts = {k: v for _, of in everyone for k, v in of.items()}  # a fused projection's parts
+        everyone = [p for p, _ in everyone]
+        held = {parts[k][0] if k in parts else k for p in everyone for k in p}
         groups: dict[int, list[str]] = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
             groups.setdefault(id(t), []).append(name)
@@ -244,7 +247,7 @@ class Trainer:
                 aliases[src] = [n for n in names if n != src]
         path = self.run_dir / "model.safetensors"
         try:
-            export_safetensors(everyone, shapes, path, aliases=aliases)
+            export_safetensors(everyone, shapes, path, aliases=aliases, parts=parts)
         except Exception as e:  # noqa: BLE001 - a full disk, say (SafetensorError): keep the run
             Path(f"{path}.tmp").unlink(missing_ok=True)
             self._log_failure("export_failed", f"exporting {path} failed (the checkpoints hold "

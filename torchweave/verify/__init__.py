@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from torchweave.ir.graph import Graph, join_parts
 from torchweave.plan.show import replication_note
 from torchweave.parallel import Compiled, compile_plan, rank_module
 from torchweave.policies import PlanLike
@@ -93,7 +94,9 @@ def _on_cpu(pieces: dict[str, tuple[Any, torch.Tensor | None]]) -> dict[str, tup
 
 
 def _assemble(pieces: list[dict[str, tuple[Any, torch.Tensor | None]]],
-              shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+              graph: Graph) -> dict[str, torch.Tensor]:
+    """Whole tensors by the model's names, from every rank's pieces."""
+    shapes = {p.target: p.meta.shape for p in graph.params()}
     out: dict[str, torch.Tensor] = {}
     for rank_pieces in pieces:
         for path, (box, t) in rank_pieces.items():
@@ -101,7 +104,7 @@ def _assemble(pieces: list[dict[str, tuple[Any, torch.Tensor | None]]],
                 continue
             full = out.setdefault(path, torch.zeros(shapes[path], dtype=t.dtype))
             full[tuple(slice(a, b) for a, b in box)] = t.to(full.dtype)
-    return out
+    return join_parts(graph, out)
 
 
 @dataclass
@@ -268,13 +271,12 @@ def _report(case: Case, comp: Compiled, per_rank: list[dict[str, Any]], world_si
         report.bf16_grads, report.bf16_params = spread.grads, spread.params
     report.comm = per_rank[0]["comm"]
     report.losses = list(zip(ref["losses"], per_rank[0]["losses"]))
-    shapes = {p.target: p.meta.shape for p in comp.graph.params()}
     floor = NOISE_FLOORS[judged]
-    compare(report, ref, _assemble([r["grads"] for r in per_rank], shapes),
-            _assemble([r["params"] for r in per_rank], shapes), truth, floor=floor)
+    compare(report, ref, _assemble([r["grads"] for r in per_rank], comp.graph),
+            _assemble([r["params"] for r in per_rank], comp.graph), truth, floor=floor)
     if case.sgd:
         sgd_ref = one_device(ref_precision, _sgd)
-        report.sgd = compare_params(sgd_ref["params"], _assemble([r["sgd"] for r in per_rank], shapes),
+        report.sgd = compare_params(sgd_ref["params"], _assemble([r["sgd"] for r in per_rank], comp.graph),
                                     truth if truth is not None else ref["grads"], report.noise,
                                     floor=floor)
     return report

@@ -1,0 +1,210 @@
+"""Fused projections become one projection per part, each on a slice of the weight.
+
+A model that computes query, key and value with one matmul and then cuts the result
+along its last dim (``qkv_proj`` then three slices, GPT-2's ``c_attn`` then ``split``,
+a fused ``gate_up_proj`` then ``chunk``) gives the cut an annotation that cannot split:
+a piece of ``q`` by heads is not a box of the fused output, whose columns are all the
+query heads, then all the key heads, then all the value heads. Under tensor parallelism
+the whole attention (or MLP) then ran replicated on every device.
+
+This rewrite turns ``y = x @ W.T (+ b)`` followed by cuts of ``y``'s last dim into
+``[s_i, e_i)`` into one projection per cut, ``y_i = x @ W[s_i:e_i].T (+ b[s_i:e_i])``: the
+same numbers (each output column is the same dot product), with each part a parameter of
+its own. Each then splits by its own heads like a model with separate projections.
+
+A part is a graph parameter whose :attr:`~torchweave.ir.graph.Value.part` names the module
+tensor and the slice it is (target ``qkv_proj.weight[0:64]``). Reading a module's state
+slices it (:func:`~torchweave.ir.graph.param_tensor`); writing one back joins the parts
+(:mod:`torchweave.runtime.statedict`, the trainer's export, verify). Checkpoints and
+``state_dict()`` keep the model's own names and shapes.
+
+Rewritten only when it is exact: the weight (and bias) is read by this projection alone
+and tied to nothing, the cuts tile the last dim once, and nothing else reads the fused
+output. Between the projection and the cuts, a bias add and views that keep the last
+dim (GPT-2's ``addmm`` on a flattened batch, viewed back) are carried along.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+from torchweave.ir.graph import Graph, Node, Ref, TensorMeta, Value, part_target
+
+_PROJECTIONS = {"aten.linear.default": 0, "aten.mm.default": 1}
+"""Op → the weight's dim that indexes output features (``linear``: ``[n, k]``; ``mm``: ``[k, n]``)."""
+_VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
+_BIG = 2**62
+
+
+def unfuse(graph: Graph) -> None:
+    """Rewrite every fused projection of ``graph`` in place (see the module's text)."""
+    while True:
+        users = graph.consumers()
+        for node in graph.nodes:
+            found = _match(graph, node, users)
+            if found is not None:
+                _rewrite(graph, *found)
+                break
+        else:
+            return
+
+
+def _only_reader(graph: Graph, name: str, node: Node, users: dict[str, list[Node]]) -> bool:
+    """Whether ``name`` is a trainable-or-not parameter, untied, read by ``node`` alone."""
+    v = graph.values.get(name)
+    return (v is not None and v.kind == "param" and not v.aliases and v.part is None
+            and [n.name for n in users[name]] == [node.name] and name not in graph.outputs)
+
+
+def _cuts(node: Node, rank: int, n: int) -> list[tuple[int, int]] | None:
+    """The ``[start, stop)`` ranges of the last dim that ``node``'s outputs are, in order."""
+    args = list(node.args)
+    dim_at = {"aten.slice.Tensor": 1, "aten.split.Tensor": 2, "aten.split_with_sizes.default": 2,
+              "aten.chunk.default": 2, "aten.narrow.default": 1}.get(node.target)
+    if dim_at is None:
+        return None
+    dim = node.kwargs.get("dim", args[dim_at] if len(args) > dim_at else 0)
+    if not isinstance(dim, int) or dim % rank != rank - 1:
+        return None
+    if node.target == "aten.slice.Tensor":
+        start = args[2] if len(args) > 2 else node.kwargs.get("start")
+        stop = args[3] if len(args) > 3 else node.kwargs.get("end")
+        step = args[4] if len(args) > 4 else node.kwargs.get("step", 1)
+        start = 0 if start is None else start
+        stop = _BIG if stop is None else stop
+        if step != 1 or not isinstance(start, int) or not isinstance(stop, int):
+            return None
+        start, stop = (max(0, min(n, x + n if x < 0 else x)) for x in (start, stop))
+        return [(start, max(start, stop))]
+    if node.target == "aten.narrow.default":
+        start, length = args[2], args[3]
+        if not isinstance(start, int) or not isinstance(length, int):
+            return None
+        start = start + n if start < 0 else start
+        return [(start, start + length)]
+    if node.target == "aten.chunk.default":
+        size = -(-n // args[1]) if isinstance(args[1], int) and args[1] > 0 else 0
+        sizes = [min(size, n - s) for s in range(0, n, size)] if size else []
+    elif node.target == "aten.split.Tensor":
+        size = args[1]
+        if not isinstance(size, int) or size <= 0:
+            return None
+        sizes = [min(size, n - s) for s in range(0, n, size)]
+    else:
+        sizes = list(args[1])
+    if not sizes or not all(isinstance(s, int) and s >= 0 for s in sizes) or \
+            len(sizes) != len(node.outputs) or sum(sizes) != n:
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(s, s + k) for s, k in zip(starts, sizes)]
+
+
+def _match(graph: Graph, node: Node, users: dict[str, list[Node]]):
+    """``(projection, weight, bias add or None, views, cuts, [(cut node, its ranges)])``."""
+    wdim = _PROJECTIONS.get(node.target)
+    if wdim is None or len(node.args) != 2 or node.kwargs or not isinstance(node.args[1], Ref):
+        return None
+    w = node.args[1].name
+    if not _only_reader(graph, w, node, users) or len(graph.values[w].meta.shape) != 2:
+        return None
+    n = graph.values[w].meta.shape[wdim]
+    chain: list[Node] = [node]
+    tail = node.outputs[0]
+    bias = None
+    readers = users[tail]
+    if len(readers) == 1 and readers[0].target == "aten.add.Tensor" and len(readers[0].args) == 2 \
+            and readers[0].args[0] == Ref(tail) and isinstance(readers[0].args[1], Ref) \
+            and _only_reader(graph, readers[0].args[1].name, readers[0], users) \
+            and graph.values[readers[0].args[1].name].meta.shape == (n,):
+        bias = readers[0]
+        chain.append(bias)
+        tail = bias.outputs[0]
+    while len(users[tail]) == 1 and users[tail][0].target in _VIEWS:
+        view = users[tail][0]
+        shape = graph.values[view.outputs[0]].meta.shape
+        if not shape or shape[-1] != n or graph.values[tail].meta.shape[-1] != n:
+            break
+        chain.append(view)
+        tail = view.outputs[0]
+    rank = len(graph.values[tail].meta.shape)
+    if tail in graph.outputs or not users[tail] or rank == 0:
+        return None
+    cuts = []
+    for reader in users[tail]:
+        if reader.args[0] != Ref(tail) or any(Ref(tail) == r for r in reader.input_refs()[1:]):
+            return None
+        ranges = _cuts(reader, rank, n)
+        if ranges is None or len(ranges) != len(reader.outputs):
+            return None
+        cuts.append((reader, ranges))
+    edges = sorted(r for _, ranges in cuts for r in ranges)
+    if len(edges) < 2 or edges[0][0] != 0 or edges[-1][1] != n or \
+            any(a[1] != b[0] for a, b in zip(edges, edges[1:])) or any(a == b for a, b in edges):
+        return None  # the parts must tile the last dim once, each part non-empty
+    return chain, wdim, cuts
+
+
+def _rewrite(graph: Graph, chain: list[Node], wdim: int, cuts: list[tuple[Node, list]]) -> None:
+    proj = chain[0]
+    rename: dict[str, str] = {}
+    new: list[Node] = []
+    params = [proj.args[1].name] + ([chain[1].args[1].name] if chain[1:2] and
+                                    chain[1].target == "aten.add.Tensor" else [])
+    made: dict[str, list[Value]] = {p: [] for p in params}
+    for reader, ranges in cuts:
+        for j, (start, stop) in enumerate(ranges):
+            tag = f"part{start}"
+            parts = {}
+            for i, p in enumerate(params):
+                made[p].append(_part(graph.values[p], wdim if i == 0 else 0, start, stop, tag))
+                parts[p] = made[p][-1].name
+            prev = None
+            for step in chain:
+                name = f"{step.name}_{tag}"
+                meta = graph.values[step.outputs[0]].meta
+                shape = meta.shape[:-1] + (stop - start,)
+                graph.values[name] = Value(name, TensorMeta(shape, meta.dtype), "activation")
+                args = list(pytree.tree_map(lambda a: Ref(parts[a.name]) if isinstance(a, Ref)
+                                            and a.name in parts else a, list(step.args)))
+                if prev is not None:
+                    args[0] = Ref(prev)
+                if step.target in _VIEWS:
+                    args[1] = list(args[1])[:-1] + [stop - start if args[1][-1] != -1 else -1]
+                new.append(Node(name, step.target, tuple(args), dict(step.kwargs), (name,),
+                                step.source, step.source_line, step.module))
+                prev = name
+            rename[reader.outputs[j]] = prev
+    values: dict[str, Value] = {}
+    for name, v in graph.values.items():  # each part where its module tensor was
+        for part in sorted(made.get(name, [v]), key=lambda x: x.part[2] if x.part else 0):
+            values[part.name] = part
+    graph.values = values
+    dropped = {n.name for n in chain} | {r.name for r, _ in cuts}
+    out: list[Node] = []
+    for node in graph.nodes:
+        if node.name == chain[-1].name:
+            out.extend(new)
+        elif node.name not in dropped:
+            node.args = _renamed(node.args, rename)
+            node.kwargs = _renamed(node.kwargs, rename)
+            out.append(node)
+    graph.nodes = out
+    for name in [o for r, _ in cuts for o in r.outputs] + [n.outputs[0] for n in chain]:
+        graph.values.pop(name, None)
+    graph.outputs = [rename.get(o, o) for o in graph.outputs]
+    if graph.loss in rename:
+        graph.loss = rename[graph.loss]
+
+
+def _part(v: Value, dim: int, start: int, stop: int, tag: str) -> Value:
+    shape = list(v.meta.shape)
+    shape[dim] = stop - start
+    return Value(f"{v.name}_{tag}", TensorMeta(tuple(shape), v.meta.dtype), "param",
+                 part_target(v.target, dim, start, stop), (), v.requires_grad, (v.target, dim, start))
+
+
+def _renamed(tree: Any, rename: dict[str, str]) -> Any:
+    return pytree.tree_map(lambda a: Ref(rename[a.name]) if isinstance(a, Ref) and a.name in rename
+                           else a, tree)
