@@ -220,10 +220,15 @@ class _Reader:
             return None
         path = self.text(f"value {name!r} part path", x[0], _PATH)
         dim, start = self.whole(f"value {name!r} part dim", x[1]), self.whole(f"value {name!r} part start", x[2])
-        if dim >= len(dims):
-            self.bad(f"value {name!r} part dim", dim, f"a dim of its shape {list(dims)}")
+        if not path:
+            self.bad(f"value {name!r} part path", x[0], "a module path")
             return None
-        return (path, dim, start) if path else None
+        if dim >= len(dims) or dims[dim] == 0:
+            self.bad(f"value {name!r} part dim", dim, f"a dim of its shape {list(dims)}, not empty")
+            return None
+        if d.get("aliases"):
+            self.bad(f"value {name!r} aliases", d["aliases"], "none on a part")
+        return path, dim, start
 
     def node(self, i: int, d: Any) -> Node | None:
         from torchweave.ops import REGISTRY
@@ -335,15 +340,25 @@ def _check_parts(r: _Reader, values: dict[str, Value]) -> None:
     for v in values.values():
         if v.part is not None:
             cuts.setdefault(v.part[0], []).append(v)
+    whole = {t for v in values.values() if v.part is None for t in (v.target, *v.aliases)}
     for path, vs in cuts.items():
+        if path in whole:
+            r.bad(f"value {vs[0].name!r} part", path, "a module tensor is held whole or as parts, "
+                  "not both")
         vs.sort(key=lambda v: v.part[2])  # type: ignore[index]
         dim, at = vs[0].part[1], 0  # type: ignore[index]
+        rest = _without(vs[0].meta.shape, dim)
         for v in vs:
-            if v.part[1] != dim or v.part[2] != at:  # type: ignore[index]
+            if v.part[1] != dim or v.part[2] != at or _without(v.meta.shape, dim) != rest:  # type: ignore[index]
                 r.bad(f"value {v.name!r} part", list(v.part), f"the parts of {path} cut one dim "  # type: ignore[arg-type]
-                      "end to end, each starting where the one before stops")
+                      "end to end, each starting where the one before stops, and agree on the "
+                      "other dims")
                 break
             at += v.meta.shape[dim]
+
+
+def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return shape[:dim] + shape[dim + 1:]
 
 
 def load_graph(path: str) -> Graph:

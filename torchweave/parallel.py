@@ -68,7 +68,7 @@ def model_state(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]
     for k, v in graph.meta.get("constants", {}).items():
         state[k] = v.detach().cpu()
     for v in graph.params():  # a fused projection's parts: views of the module's tensor
-        if v.part is not None:
+        if v.part is not None and v.part[0] in state:  # (a missing one: the executor says so)
             state[v.target] = param_tensor(state, v)
     return state
 

@@ -113,6 +113,48 @@ def test_left_fused_where_the_rewrite_would_not_be_exact() -> None:
 
     assert not _parts(torchweave.capture(Overlap(), (torch.randn(2, 8),)))
 
+    class Odd(nn.Module):  # each left fused, and each still captures and computes right
+        def __init__(self, case: str) -> None:
+            super().__init__()
+            self.case, self.p, self.w = case, nn.Linear(8, 12), nn.Parameter(torch.randn(12, 12))
+
+        def forward(self, x):
+            if self.case == "unread":  # c's rows would get no gradient as a part of their own
+                a, b, c = self.p(x).split(4, -1)
+                return (a * b).sum()
+            if self.case == "output":  # a value between the projection and its cuts is returned
+                y = self.p(x)
+                a, b = y.view(2, 1, 12).split(6, -1)
+                return (a * b).sum(), y
+            a, b = F.linear(self.w, self.w).split([4, 8], -1)  # the weight is its input too
+            return a.sum() + b.pow(2).sum()
+
+    for case in ("unread", "output", "self"):
+        model, x = Odd(case), torch.randn(2, 8)
+        graph = torchweave.capture(model, (x,))
+        assert not _parts(graph), case
+        got = run_graph(graph, model_state(model, graph), (x,))
+        want = model(x)
+        torch.testing.assert_close(got[0], want[0] if isinstance(want, tuple) else want)
+
+
+def test_new_names_never_take_an_existing_one() -> None:
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.Linear(8, 12)
+            self.register_parameter("weight_part0", nn.Parameter(torch.randn(3)))
+
+        def forward(self, linear_part4):  # an input named like a new value
+            a, b = self.p(linear_part4).split([4, 8], -1)
+            return a.sum() * b.mean() + self.weight_part0.sum()
+
+    model, x = Named(), torch.randn(2, 8)
+    graph = torchweave.capture(model, (x,))
+    assert len(_parts(graph)) == 4
+    (got,) = run_graph(graph, model_state(model, graph), (x,))
+    torch.testing.assert_close(got, model(x))
+
 
 def test_a_graph_file_keeps_parts_and_refuses_a_changed_one() -> None:
     model, inputs = _example()
@@ -124,7 +166,12 @@ def test_a_graph_file_keeps_parts_and_refuses_a_changed_one() -> None:
     for key, bad, said in [("target", "__import__('os').system('x')", "names its module tensor"),
                            ("part", ["qkv.weight", 0, 33], "end to end"),
                            ("part", ["qkv.weight", 7, 32], "a dim of its shape"),
-                           ("part", "qkv.weight", "[module path, dim, start]")]:
+                           ("part", "qkv.weight", "[module path, dim, start]"),
+                           ("part", ["", 0, 32], "a module path"),
+                           ("part", ["out.weight", 0, 0], "held whole or as parts"),
+                           ("shape", [16, 31], "agree on the other dims"),
+                           ("shape", [0, 32], "not empty"),
+                           ("aliases", ["x.weight"], "none on a part")]:
         changed = json.loads(text)
         changed["values"][name][key] = bad
         with pytest.raises(TorchweaveError, match=said.replace("[", r"\[")):

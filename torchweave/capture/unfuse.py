@@ -19,8 +19,14 @@ slices it (:func:`~torchweave.ir.graph.param_tensor`); writing one back joins th
 ``state_dict()`` keep the model's own names and shapes.
 
 Rewritten only when it is exact: the weight (and bias) is read by this projection alone
-and tied to nothing, the cuts tile the last dim once, and nothing else reads the fused
-output. Between the projection and the cuts, a bias add and views that keep the last
+and tied to nothing (and is not its input too), the cuts tile the last dim once, each
+part is read (a part nobody reads would get no gradient, where the whole weight's rows
+get zeros), and nothing else reads the fused output or any value between it and the cuts.
+
+An optimizer sees each part as a parameter of its own, as it sees each rank's piece under
+``tp`` or ZeRO. That changes nothing for optimizers that update each element from its own
+gradient and state (SGD, Adam, AdamW, ...); one whose update mixes a tensor's elements
+(Adafactor's row and column factors, LAMB's trust ratio) computes those per part. Between the projection and the cuts, a bias add and views that keep the last
 dim (GPT-2's ``addmm`` on a flattened batch, viewed back) are carried along.
 """
 
@@ -104,7 +110,8 @@ def _cuts(node: Node, rank: int, n: int) -> list[tuple[int, int]] | None:
 def _match(graph: Graph, node: Node, users: dict[str, list[Node]]):
     """``(projection, weight, bias add or None, views, cuts, [(cut node, its ranges)])``."""
     wdim = _PROJECTIONS.get(node.target)
-    if wdim is None or len(node.args) != 2 or node.kwargs or not isinstance(node.args[1], Ref):
+    if wdim is None or len(node.args) != 2 or node.kwargs or not isinstance(node.args[1], Ref) \
+            or node.args[0] == node.args[1]:
         return None
     w = node.args[1].name
     if not _only_reader(graph, w, node, users) or len(graph.values[w].meta.shape) != 2:
@@ -129,15 +136,16 @@ def _match(graph: Graph, node: Node, users: dict[str, list[Node]]):
         chain.append(view)
         tail = view.outputs[0]
     rank = len(graph.values[tail].meta.shape)
-    if tail in graph.outputs or not users[tail] or rank == 0:
+    if any(step.outputs[0] in graph.outputs for step in chain) or not users[tail] or rank == 0:
         return None
     cuts = []
     for reader in users[tail]:
         if reader.args[0] != Ref(tail) or any(Ref(tail) == r for r in reader.input_refs()[1:]):
             return None
         ranges = _cuts(reader, rank, n)
-        if ranges is None or len(ranges) != len(reader.outputs):
-            return None
+        if ranges is None or len(ranges) != len(reader.outputs) or \
+                any(not users[o] and o not in graph.outputs for o in reader.outputs):
+            return None  # a part nobody reads would get no gradient, unlike its rows of the whole
         cuts.append((reader, ranges))
     edges = sorted(r for _, ranges in cuts for r in ranges)
     if len(edges) < 2 or edges[0][0] != 0 or edges[-1][1] != n or \
@@ -148,6 +156,15 @@ def _match(graph: Graph, node: Node, users: dict[str, list[Node]]):
 
 def _rewrite(graph: Graph, chain: list[Node], wdim: int, cuts: list[tuple[Node, list]]) -> None:
     proj = chain[0]
+    taken = set(graph.values) | {n.name for n in graph.nodes}
+
+    def fresh(name: str) -> str:  # a name no value or node has yet
+        out, k = name, 1
+        while out in taken:
+            out, k = f"{name}_{k}", k + 1
+        taken.add(out)
+        return out
+
     rename: dict[str, str] = {}
     new: list[Node] = []
     params = [proj.args[1].name] + ([chain[1].args[1].name] if chain[1:2] and
@@ -158,11 +175,12 @@ def _rewrite(graph: Graph, chain: list[Node], wdim: int, cuts: list[tuple[Node, 
             tag = f"part{start}"
             parts = {}
             for i, p in enumerate(params):
-                made[p].append(_part(graph.values[p], wdim if i == 0 else 0, start, stop, tag))
+                made[p].append(_part(graph.values[p], wdim if i == 0 else 0, start, stop,
+                                     fresh(f"{p}_{tag}")))
                 parts[p] = made[p][-1].name
             prev = None
             for step in chain:
-                name = f"{step.name}_{tag}"
+                name = fresh(f"{step.name}_{tag}")
                 meta = graph.values[step.outputs[0]].meta
                 shape = meta.shape[:-1] + (stop - start,)
                 graph.values[name] = Value(name, TensorMeta(shape, meta.dtype), "activation")
@@ -198,10 +216,10 @@ def _rewrite(graph: Graph, chain: list[Node], wdim: int, cuts: list[tuple[Node, 
         graph.loss = rename[graph.loss]
 
 
-def _part(v: Value, dim: int, start: int, stop: int, tag: str) -> Value:
+def _part(v: Value, dim: int, start: int, stop: int, name: str) -> Value:
     shape = list(v.meta.shape)
     shape[dim] = stop - start
-    return Value(f"{v.name}_{tag}", TensorMeta(tuple(shape), v.meta.dtype), "param",
+    return Value(name, TensorMeta(tuple(shape), v.meta.dtype), "param",
                  part_target(v.target, dim, start, stop), (), v.requires_grad, (v.target, dim, start))
 
 
