@@ -8,8 +8,11 @@ table gives the medians over ``--launches`` launches and the
 ratios plan / dp for ``ep`` (ep=4) and ``ep:ep=2`` (ep=2 × dp=2) (tokens/s: above 1 is
 the ep plan faster; bytes: below 1 is it moving less).
 Also the simulator's prediction of both plans on a GPU cluster for a larger model.
+``--dropless``: the same with dropless routing (every expert has a slot for every token;
+its own section of bench/README.md, without the simulator's larger model, whose dense
+dropless dispatch would be [16384, 64, 16384] per layer).
 
-    python bench/ep.py [--launches 3] [--steps 6] [--no-readme]
+    python bench/ep.py [--launches 3] [--steps 6] [--dropless] [--no-readme]
 """
 
 from __future__ import annotations
@@ -33,21 +36,22 @@ PLANS = ("dp", "ep", "ep:ep=2")
 """dp over 4; ep=4 (two experts a rank); ep=2 × dp=2 (four experts a rank, their slots split on dp)."""
 
 
-def model_and_batch():
+def model_and_batch(dropless: bool = False):
     from torchweave.models.moe import MoEConfig, MoEGPT
 
     torch.manual_seed(0)
     cfg = MoEConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=4, d_model=128,
-                    ffn_hidden=512, n_expert=8, top_k=2)
+                    ffn_hidden=512, n_expert=8, top_k=2,
+                    capacity_factor=None if dropless else 1.25)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
     return MoEGPT(cfg), (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
 
 
-def rank_main(ctx, warmup: int, steps: int) -> dict[str, dict[str, float]]:
+def rank_main(ctx, warmup: int, steps: int, dropless: bool = False) -> dict[str, dict[str, float]]:
     import torchweave
 
-    model, batch = model_and_batch()
+    model, batch = model_and_batch(dropless)
     mods = {p: torchweave.parallelize(model, batch, plan=p, groups=ctx.groups) for p in PLANS}
     times = {p: [] for p in PLANS}
     sent = {p: 0 for p in PLANS}
@@ -93,12 +97,13 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--dropless", action="store_true", help="dropless routing (capacity_factor=None)")
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
     runs = []
     for _ in range(args.launches):
         cfg = LaunchConfig(world_size=WORLD, threads_per_rank=1, timeout_s=300.0)
-        runs.append(spawn(rank_main, cfg, args.warmup, args.steps)[0])
+        runs.append(spawn(rank_main, cfg, args.warmup, args.steps, args.dropless)[0])
         print(runs[-1], flush=True)
     tokens = BATCH * SEQ
     med = {p: {k: statistics.median(r[p][k] for r in runs) for k in ("ms", "bytes")} for p in PLANS}
@@ -112,6 +117,13 @@ def main() -> None:
         lines.append(f"{p} / dp: tokens/s {med['dp']['ms'] / med[p]['ms']:.2f}x, bytes "
                      f"{med[p]['bytes'] / max(med['dp']['bytes'], 1):.2f}x")
     lines += ["", f"(medians of {args.launches} launches of {WORLD} ranks on 2 cores)", ""]
+    if args.dropless:
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if not args.no_readme:
+            write_section("ep-dropless", f"python bench/ep.py --dropless --launches {args.launches} "
+                          f"--steps {args.steps}", text)
+        return
     sim = predicted()
     lines += ["Predicted by the simulator, a 64-expert MoE (d 1024, 8 layers, batch 16 × 1024) "
               "on `8xA100-80GB-SXM@8`:", "", "| plan | step ms | peak memory GiB |", "|---|---|---|"]

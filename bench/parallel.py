@@ -138,17 +138,36 @@ def torch_fsdp2(ctx, code_dir: str | None, reshard: bool | None = None) -> Side:
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = OPTIMIZER(list(model.parameters()))
 
+    def held() -> int:
+        # the module's parameters (unsharded ones while FSDP2 keeps them), every sharded
+        # parameter FSDP2 holds, their gradients and the optimizer state
+        params = list(model.parameters()) + fsdp_shards(model)
+        return held_bytes(params + [p.grad for p in params] + optimizer_state(opt))
+
     def finish() -> dict[str, Any]:
-        # One more step, measured after backward, when parameters, gradients and
-        # optimizer state all exist.
-        model(idx, tgt).backward()
-        params = list(model.parameters())
-        mem = held_bytes(params + [p.grad for p in params] + optimizer_state(opt))
+        # One more step, measured after forward and after backward: the larger is the peak
+        # of what training holds (FSDP2's gathered parameters exist after forward when it
+        # does not reshard; gradients after backward).
+        loss = model(idx, tgt)
+        after_forward = held()
+        loss.backward()
+        mem = max(after_forward, held())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return {"mem": mem, "total": total}
 
     return Side(lambda: _train(model, opt, idx, tgt), finish, local_loss=True)
+
+
+def fsdp_shards(model: nn.Module) -> list[Any]:
+    """The sharded parameters FSDP2 holds (not reachable by ``parameters()`` while it has put
+    the gathered ones in their place). FSDP2's own attributes: none on another version."""
+    out = []
+    for m in model.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        out += [fp.sharded_param for fp in getattr(group, "fsdp_params", None) or []]
+    return out
 
 
 def torch_fsdp2_keep(ctx, code_dir: str | None) -> Side:
@@ -193,11 +212,13 @@ def tw_side(ctx, model, batch, plan: str, code_dir: str | None, *, memory: bool)
     module, compile_s = _parallelize(ctx, model, batch, plan, code_dir)
 
     def finish() -> dict[str, Any]:
-        # One more step, split so that memory is measured after backward (parameters,
-        # gradients and optimizer state all present); it also counts the collectives.
+        # One more step, split so that memory is measured after forward and after backward
+        # (the larger: the peak, as on the peer's side); it also counts the collectives.
         with module.rt.group_cache.counter.window() as calls:
-            module.backward_step(*batch)
-            mem = module.memory()  # pieces, gradients, ZeRO's shard, optimizer state
+            loss = module(*batch)
+            after_forward = module.memory()  # pieces, gradients, ZeRO's shard, optimizer state
+            loss.backward()
+            mem = max(after_forward, module.memory())
             module.optimizer_step()
         out = {"compile_s": compile_s, "collectives": sum(calls.counts().values())}
         if memory:

@@ -23,7 +23,8 @@ peer ms (rank 0's medians; below 1 means torchweave is faster). A row is one pai
 world size over ``--launches`` separate launches: the median ratio and its min-max, each
 side's median ms, the largest loss difference seen (losses are checked to agree within
 1e-4 relative), and memory per rank where the bench measures it (torchweave MiB / peer
-MiB): ``state``, parameters + gradients + AdamW state held after backward (rank 0); ``act``,
+MiB): ``state``, parameters + gradients + AdamW state held, the larger of after forward
+and after backward (rank 0; FSDP2's gathered parameters count while it keeps them); ``act``,
 the peak bytes saved for backward, the largest rank's. Targets: ratio <= 1.00 (trainer:
 <= 1.02) and memory <= the peer's. A pair that cannot run at a world size, or a side that
 fails, gets a row that says so; the run goes on.

@@ -11,7 +11,7 @@ from torchweave.models import FACTORIES, build, get_factory
 from torchweave.models.gpt import GPT, GPTConfig, flops_per_token, num_params
 
 TINY = [
-    "gpt-tiny", "llama-tiny", "vit-tiny", "swin-tiny", "t5-tiny", "moe-tiny",
+    "gpt-tiny", "llama-tiny", "vit-tiny", "swin-tiny", "t5-tiny", "moe-tiny", "moe-dropless-tiny",
     "hf-gpt2-tiny", "hf-llama-tiny",
 ]
 
@@ -87,3 +87,25 @@ def test_gpt_175b_on_meta() -> None:
     n = sum(p.numel() for p in model.parameters())
     assert n == num_params(model.cfg) and math.isclose(n, 174.6e9, rel_tol=1e-3)
     assert math.isclose(flops_per_token(model.cfg, 2048), 1.0765e12, rel_tol=1e-3)
+
+
+def test_dropless_routing_drops_no_token_where_a_capacity_does() -> None:
+    """``capacity_factor=None``: every token reaches each of its top-k experts (its combine
+    weights sum to 1), where a capacity of 0.5 drops some; both keep static shapes."""
+    from torchweave.models.moe import MoEConfig, MoELayer
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    weights = {}
+    for factor in (None, 0.5):
+        layer = MoELayer(MoEConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, d_model=16,
+                                   ffn_hidden=8, n_expert=4, top_k=2, capacity_factor=factor))
+        layer.router.weight.data[:, 0] = torch.tensor([9.0, 8.0, 0.0, 0.0])  # a skewed load
+        combine, dispatch, _ = layer.route(x)
+        assert combine.shape == (64, 4, 64 if factor is None else 16)
+        weights[factor] = combine.sum((1, 2))
+    torch.testing.assert_close(weights[None], torch.ones(64))
+    assert (weights[0.5] < 0.99).any()
+    with pytest.raises(ValueError, match="dropless"):
+        MoEConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, d_model=16, ffn_hidden=8,
+                  n_expert=4, capacity_factor=0.0)

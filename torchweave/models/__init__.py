@@ -130,6 +130,15 @@ def moe_tiny() -> Example:
     return MoEGPT(cfg), _tokens(cfg.vocab_size, 4, 16)
 
 
+def moe_dropless_tiny() -> Example:
+    """``moe-tiny`` with dropless routing: every expert has a slot for each of the 64 tokens."""
+    cfg = MoEConfig(
+        vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64, ffn_hidden=128,
+        n_expert=4, top_k=2, capacity_factor=None,
+    )
+    return MoEGPT(cfg), _tokens(cfg.vocab_size, 4, 16)
+
+
 def recycler_tiny() -> Example:
     """An AlphaFold-style recycling model (:mod:`torchweave.models.recycler`); batch 8."""
     return _recycler_example(RecyclerConfig(), 8)
@@ -166,6 +175,7 @@ FACTORIES: dict[str, Callable[[], Example]] = {
     "swin-tiny": swin_tiny,
     "t5-tiny": t5_tiny,
     "moe-tiny": moe_tiny,
+    "moe-dropless-tiny": moe_dropless_tiny,
     "recycler-tiny": recycler_tiny,
     "hf-gpt2-tiny": hf_gpt2_tiny,
     "hf-llama-tiny": hf_llama_tiny,

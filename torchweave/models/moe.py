@@ -2,7 +2,11 @@
 
 Routing follows GShard / Switch Transformer with a fixed expert capacity:
 every token picks its top-k experts, takes a slot in each expert's buffer in
-token order, and is dropped from an expert whose buffer is full. Dispatch and
+token order, and is dropped from an expert whose buffer is full. Dropless
+routing (``capacity_factor=None``) gives every expert one slot per token, so no
+token is ever dropped, at the price of buffers ``E / top_k`` times a balanced
+load's (dense dispatch, every shape still static; a grouped matmul over
+data-dependent groups would not be). Dispatch and
 combine are dense [tokens, experts, capacity] tensors applied with einsum, so
 all shapes depend only on the input shape and the model traces with
 ``torch.export`` (no data-dependent shapes or branches).
@@ -39,8 +43,9 @@ class MoEConfig:
     """Number of experts per MoE layer."""
     top_k: int = 2
     """Experts each token is routed to."""
-    capacity_factor: float = 1.25
-    """Expert buffer size relative to a perfectly balanced load."""
+    capacity_factor: float | None = 1.25
+    """Expert buffer size relative to a perfectly balanced load; ``None``: dropless (one
+    slot per token in every expert, so no token is dropped)."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss added to the LM loss."""
     dropout: float = 0.0
@@ -53,10 +58,16 @@ class MoEConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_expert={self.n_expert}]")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0, or None "
+                             "for dropless routing")
 
 
-def expert_capacity(n_tokens: int, n_expert: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert: ceil(top_k * tokens * capacity_factor / experts)."""
+def expert_capacity(n_tokens: int, n_expert: int, top_k: int, capacity_factor: float | None) -> int:
+    """Slots per expert: ceil(top_k * tokens * capacity_factor / experts); dropless (``None``):
+    one per token, since a token takes at most one slot in each expert."""
+    if capacity_factor is None:
+        return n_tokens
     return max(1, math.ceil(top_k * n_tokens * capacity_factor / n_expert))
 
 

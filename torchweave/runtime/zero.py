@@ -20,6 +20,14 @@ A member keeps fp32 master weights and optimizer state for its shards only.
 After the update, stages 1 and 2 all-gather the shards back into the pieces.
 Stages 1 and 2 move all units in one collective: the units are laid out side by
 side as one ``[group, C]`` buffer (row k is member k's shard of every unit).
+
+Stages 1 and 2 need no units (nothing is gathered piece by piece), so their owned
+pieces are one unit: one flat buffer whose member-k shard is a contiguous slice. Where
+every owned piece has the master's dtype (fp32 pieces, as bf16 compute keeps them too;
+fp64), the pieces *are* views of that buffer and the master shard is this member's slice
+of it: the optimizer updates the member's elements of the pieces in place, and the
+all-gather after the step writes the others straight into them. No second copy of the
+member's shard is kept, and no gathered buffer is copied into the pieces.
 """
 
 from __future__ import annotations
@@ -132,10 +140,20 @@ class ZeroOptimizer:
         self.owned = [p for p, _ in owned]
         self.replicas = [slot.replicas for _, slot in owned]
         self._owned_ids = {id(p): i for i, p in enumerate(self.owned)}
-        self.layout = _Units(self.owned, [unit_key(slot.path) for _, slot in owned], self.size,
-                             device=group_cache.device)
-        rows = self.layout.to_rows([p.detach() for p in self.owned])
-        self.master = rows[self.index].clone().requires_grad_(True)
+        keys = [unit_key(slot.path) for _, slot in owned] if stage == 3 else [""] * len(owned)
+        self.layout = _Units(self.owned, keys, self.size, device=group_cache.device,
+                             budget=UNIT_BYTES if stage == 3 else math.inf)  # 1–2: one unit
+        self.flat: torch.Tensor | None = None
+        """Stages 1–2 with pieces in the master's dtype: the buffer the pieces are views of."""
+        if stage < 3 and self.owned and all(p.dtype == self.layout.dtype for p in self.owned):
+            self.flat = self.layout.flat(0, [p.detach() for p in self.owned], device=self.owned[0].device)
+            for p, view in zip(self.owned, self.layout.pieces(0, self.flat)):
+                p.data = view
+            cols = self.layout.cols[0]
+            self.master = self.flat[self.index * cols:(self.index + 1) * cols].requires_grad_(True)
+        else:
+            rows = self.layout.to_rows([p.detach() for p in self.owned])
+            self.master = rows[self.index].clone().requires_grad_(True)
         self.inner = factory([self.master])
         self.dtypes = [p.dtype for p in self.owned]
         self._segments = self.layout.segments(self.index)
@@ -212,6 +230,9 @@ class ZeroOptimizer:
             self.inner.zero_grad(set_to_none=True)
         if self.stage == 3:
             return
+        if self.flat is not None:  # into the pieces' own buffer (from a copy of this shard)
+            self._gather_into(self.flat, self.master.detach().clone())
+            return
         rows = self._gather_rows(self.master.detach())
         with torch.no_grad():
             for p, full in zip(self.owned, self.layout.from_rows(rows)):
@@ -220,10 +241,13 @@ class ZeroOptimizer:
     def _gather_rows(self, chunk: torch.Tensor) -> torch.Tensor:
         """Every member's ``[C]`` row → ``[group, C]``."""
         flat = torch.empty(self.size * self.layout.total, dtype=chunk.dtype, device=chunk.device)
+        self._gather_into(flat, chunk)
+        return flat.view(self.size, self.layout.total)
+
+    def _gather_into(self, flat: torch.Tensor, chunk: torch.Tensor) -> None:
         self.group_cache.counter.record(CommKind.ALL_GATHER, Direction.FORWARD, self.group,
                                flat.numel() * flat.element_size())
         all_gather_single(flat, chunk.contiguous(), group=self.pg)
-        return flat.view(self.size, self.layout.total)
 
     def load_pieces(self, params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
         """Set the owned pieces (path → new value; absent ones keep theirs) and their master shard."""

@@ -12,7 +12,7 @@ the rule of :mod:`torchweave.sim.step.saved`; parameters excluded; recompute gro
 keep only their inputs) and temporary buffers (the largest of: a gradient
 bucket, twice the largest single activation, two ZeRO-3 units, the full local
 gradients that ZeRO-1/2 shard after backward). ZeRO-1/2 as the runtime runs
-them also hold an fp32 master copy of each member's parameter shard. Pipelined
+them step the member's slice of the fp32 pieces in place (no master copy). Pipelined
 plans hold each stage's activations per micro-batch in flight. A rank over its
 device's memory is out of memory.
 """
@@ -83,11 +83,10 @@ def memory_use(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tu
         if plan.zero in (1, 2) and dp > 1:
             # As the runtime runs them (runtime/zero.py): autograd fills full local gradients
             # (a temporary), one all-reduce or reduce-scatter leaves each member its shard,
-            # and the optimizer steps an fp32 master copy of the member's parameter shard.
+            # and the optimizer steps the member's slice of the fp32 pieces in place (no
+            # master copy: the pieces are views of one flat buffer).
             full = model_state_memory(f.params, precision=precision).grads
             grads, temps = math.ceil(full / dp), max(temps, full)
-            if precision == "fp32":
-                opt += math.ceil(4 * f.params / dp)
         out.append(MemoryUse(params=state.params, grads=grads, optimizer=opt, buffers=f.buffers,
                              activations=f.activations if activations is None else activations[r],
                              temporaries=temps))
