@@ -31,3 +31,14 @@ def optimizer_state(opt: torch.optim.Optimizer | None) -> list[Any]:
     if opt is None:
         return []
     return [v for st in opt.state.values() for v in st.values()]
+
+
+def fsdp_shards(model: torch.nn.Module) -> list[Any]:
+    """The sharded parameters FSDP2 holds (not reachable by ``parameters()`` while it has put
+    the gathered ones in their place). FSDP2's own attributes: none on another version."""
+    out = []
+    for m in model.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        out += [fp.sharded_param for fp in getattr(group, "fsdp_params", None) or []]
+    return out

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from held import held_bytes, optimizer_state  # bench/held.py (the script's folder is on sys.path)
+from held import fsdp_shards, held_bytes, optimizer_state  # bench/held.py (the script's folder is on sys.path)
 from mlp import ResidualMLP  # bench/mlp.py
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results-parallel.md")
@@ -157,17 +157,6 @@ def torch_fsdp2(ctx, code_dir: str | None, reshard: bool | None = None) -> Side:
         return {"mem": mem, "total": total}
 
     return Side(lambda: _train(model, opt, idx, tgt), finish, local_loss=True)
-
-
-def fsdp_shards(model: nn.Module) -> list[Any]:
-    """The sharded parameters FSDP2 holds (not reachable by ``parameters()`` while it has put
-    the gathered ones in their place). FSDP2's own attributes: none on another version."""
-    out = []
-    for m in model.modules():
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-        group = getattr(state, "_fsdp_param_group", None)
-        out += [fp.sharded_param for fp in getattr(group, "fsdp_params", None) or []]
-    return out
 
 
 def torch_fsdp2_keep(ctx, code_dir: str | None) -> Side:
