@@ -201,3 +201,32 @@ def test_exported_pieces_of_parts_land_in_the_module_tensor(tmp_path) -> None:
     fresh.load_state_dict(load_file(str(tmp_path / "m.safetensors")), strict=True)
     assert all(torch.equal(written[k], p) and torch.equal(fresh.state_dict()[k], p)
                for k, p in model.state_dict().items())
+
+
+def test_a_hostile_parameter_name_stays_data_in_a_parts_target_and_the_code(tmp_path) -> None:
+    """A parameter named like code (torch refuses only dots) reaches generated code through
+    a part's target as a string literal, never as a statement."""
+    import ast
+
+    from torchweave.codegen.render import write
+    from torchweave.lower.lower import lower
+
+    name = "w')\nimport os  #"
+
+    class Hostile(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Module()
+            self.lin.register_parameter(name, nn.Parameter(torch.randn(12, 8)))
+
+        def forward(self, x):
+            a, b = F.linear(x, getattr(self.lin, name)).split([4, 8], -1)
+            return a.sum() * b.mean()
+
+    model, x = Hostile(), torch.randn(2, 8)
+    graph = torchweave.capture(model, (x,))
+    assert sorted(_parts(graph)) == [f"lin.{name}[0:4]", f"lin.{name}[4:12]"]
+    for path in write(lower(graph, resolve("tp", graph, 2)), str(tmp_path)):
+        tree = ast.parse(open(path).read())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "os" not in imported
