@@ -162,6 +162,7 @@ class PipelineModule(RankModule):
         self._handed_grad: dict[tuple[str, int], torch.Tensor] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._got: dict[Message, torch.Tensor] = {}
+        self._posted: dict[Message, tuple[Any, torch.Tensor]] = {}
         self._loss = 0.0
         self.stats = StepStats()
         start = time.perf_counter()
@@ -171,7 +172,8 @@ class PipelineModule(RankModule):
                 self.stats.early_buckets = self.sync.started
             if self.sync.overlap:
                 self.sync.enabled, self.sync.allow = bool(final), self._final_ids[i]
-            self.run(action, self.program.messages[i])
+            self.run(action, self.program.messages[i],
+                     self.program.messages[i + 1] if i + 1 < len(self.program.actions) else None)
             self.sync.mark_ready(final)
             self.stats.peak_live = max(self.stats.peak_live, len(self._live))
             self._drop_sent()
@@ -187,8 +189,12 @@ class PipelineModule(RankModule):
             self.clip(self.config.clip_grad_norm)
         return self._reported_loss()
 
-    def run(self, a: Action, ex: Exchange) -> None:
+    def run(self, a: Action, ex: Exchange, following: Exchange | None = None) -> None:
+        """Run action ``a``; ``following``: the next action's exchange, whose receives are
+        posted before ``a`` computes, so that they arrive meanwhile."""
         self._receive(ex)
+        if following is not None:
+            self._post(following)
         if a.kind is Kind.F:
             self._forward(a.stage, a.micro, self.passes - 1, ex)
         elif a.kind is Kind.R:
@@ -311,16 +317,26 @@ class PipelineModule(RankModule):
         step = self._links[x.link]
         return (step.grad_back if x.grad else step.transfers)[x.transfer]
 
-    def _receive(self, ex: Exchange) -> None:
-        """Post the action's receives, in the order their senders send them (some are for
-        later actions: kept until then)."""
+    def _post(self, ex: Exchange) -> None:
+        """Post the action's receives not posted yet, in the order their senders send them
+        (a rank's posts to one peer keep the order of the schedule's messages)."""
         for x in ex.posts:
+            if x in self._posted:
+                continue
             t = self._transfer(x)
             link = x.link - self.program.boundaries
             dtype = self._dtype[x.link] if link < 0 else self._micro[self.program.recycle[link].index][0].dtype
             buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.group_cache.p2p_device)
+            self._posted[x] = (dist.irecv(buf, x.src, group=self._group(x), tag=self._tag(x)), buf)
+
+    def _receive(self, ex: Exchange) -> None:
+        """The action's receives (posted here, or before the action ahead of it computed);
+        some are for later actions: kept until then."""
+        self._post(ex)
+        for x in ex.posts:
+            work, buf = self._posted.pop(x)
             start = time.perf_counter()
-            dist.recv(buf, x.src, group=self._group(x), tag=self._tag(x))
+            work.wait()
             self.stats.wait_s += time.perf_counter() - start
             self._got[x] = buf.to(self.rt.device)
 
