@@ -17,9 +17,10 @@
   which reads them as inputs on pass ``k + 1`` (an ``R``, or the ``F``).
 
 Every message is issued from the program's ``messages``
-(:mod:`torchweave.lower.messages`): before an action the rank posts its
-receives in the order each sender sends, keeping those meant for later
-actions; after it, its sends in one fixed order. So each pair of ranks
+(:mod:`torchweave.lower.messages`): before an action the rank waits for its
+receives, posted in the order each sender sends (``irecv``, before the action
+ahead of it computed, so that they arrive meanwhile), keeping those meant for
+later actions; after it, its sends in one fixed order. So each pair of ranks
 issues its messages in one order, which the dry run checked, and tags are
 not needed (NCCL ignores them): ``StepConfig.p2p_tags`` sends every message
 with tag 0 (``untagged``, the default on NCCL) or tags each by (link,
