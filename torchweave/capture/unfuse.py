@@ -108,7 +108,8 @@ def _cuts(node: Node, rank: int, n: int) -> list[tuple[int, int]] | None:
 
 
 def _match(graph: Graph, node: Node, users: dict[str, list[Node]]):
-    """``(projection, weight, bias add or None, views, cuts, [(cut node, its ranges)])``."""
+    """``(chain, wdim, cuts)``: the projection then its bias add and views (``chain``), the
+    weight's output-feature dim, and each cut node with its ranges; None where not exact."""
     wdim = _PROJECTIONS.get(node.target)
     if wdim is None or len(node.args) != 2 or node.kwargs or not isinstance(node.args[1], Ref) \
             or node.args[0] == node.args[1]:
