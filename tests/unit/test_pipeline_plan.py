@@ -66,7 +66,7 @@ def test_action_lists_of_every_named_plan(name: str) -> None:
     dry_run(add_communication(pipe.schedule, stage_to_rank), stage_to_rank, pipe.stages,
             pipe.micro_batches)
     if name in ("1f1b", "zb"):
-        assert all(n <= 4 - r for r, n in peak_in_flight(pipe.schedule).items())
+        assert all(n <= 4 - (r if name == "1f1b" else 0) for r, n in peak_in_flight(pipe.schedule).items())
 
 
 def test_stage_counts_that_do_not_fit_show_the_arithmetic() -> None:

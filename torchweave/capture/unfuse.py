@@ -32,6 +32,7 @@ dim (GPT-2's ``addmm`` on a flattened batch, viewed back) are carried along.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch.utils._pytree as pytree
@@ -45,16 +46,26 @@ _BIG = 2**62
 
 
 def unfuse(graph: Graph) -> None:
-    """Rewrite every fused projection of ``graph`` in place (see the module's text)."""
-    while True:
-        users = graph.consumers()
-        for node in graph.nodes:
-            found = _match(graph, node, users)
-            if found is not None:
-                _rewrite(graph, *found)
-                break
-        else:
-            return
+    """Rewrite every fused projection of ``graph`` in place (see the module's text).
+
+    Matches are disjoint (each owns its weight, bias, chain and cuts, read by it alone), so
+    all are found on the graph as captured and rewritten in one pass over it."""
+    users = graph.consumers()
+    found = [m for m in (_match(graph, node, users) for node in graph.nodes) if m is not None]
+    if found:
+        _rewrite(graph, found)
+
+
+@dataclass
+class _Fused:
+    """One fused projection: the projection then its bias add and views (``chain``), the
+    module tensors it reads (the weight, and the bias if added), the weight's
+    output-feature dim, and each cut node with its ranges."""
+
+    chain: list[Node]
+    params: list[str]
+    wdim: int
+    cuts: list[tuple[Node, list[tuple[int, int]]]]
 
 
 def _only_reader(graph: Graph, name: str, node: Node, users: dict[str, list[Node]]) -> bool:
@@ -107,9 +118,8 @@ def _cuts(node: Node, rank: int, n: int) -> list[tuple[int, int]] | None:
     return [(s, s + k) for s, k in zip(starts, sizes)]
 
 
-def _match(graph: Graph, node: Node, users: dict[str, list[Node]]):
-    """``(chain, wdim, cuts)``: the projection then its bias add and views (``chain``), the
-    weight's output-feature dim, and each cut node with its ranges; None where not exact."""
+def _match(graph: Graph, node: Node, users: dict[str, list[Node]]) -> _Fused | None:
+    """The fused projection that starts at ``node``; None where the rewrite is not exact."""
     wdim = _PROJECTIONS.get(node.target)
     if wdim is None or len(node.args) != 2 or node.kwargs or not isinstance(node.args[1], Ref) \
             or node.args[0] == node.args[1]:
@@ -152,11 +162,10 @@ def _match(graph: Graph, node: Node, users: dict[str, list[Node]]):
     if len(edges) < 2 or edges[0][0] != 0 or edges[-1][1] != n or \
             any(a[1] != b[0] for a, b in zip(edges, edges[1:])) or any(a == b for a, b in edges):
         return None  # the parts must tile the last dim once, each part non-empty
-    return chain, wdim, cuts
+    return _Fused(chain, [w] + ([bias.args[1].name] if bias is not None else []), wdim, cuts)
 
 
-def _rewrite(graph: Graph, chain: list[Node], wdim: int, cuts: list[tuple[Node, list]]) -> None:
-    proj = chain[0]
+def _rewrite(graph: Graph, found: list[_Fused]) -> None:
     taken = set(graph.values) | {n.name for n in graph.nodes}
 
     def fresh(name: str) -> str:  # a name no value or node has yet
@@ -167,51 +176,56 @@ def _rewrite(graph: Graph, chain: list[Node], wdim: int, cuts: list[tuple[Node, 
         return out
 
     rename: dict[str, str] = {}
-    new: list[Node] = []
-    params = [proj.args[1].name] + ([chain[1].args[1].name] if chain[1:2] and
-                                    chain[1].target == "aten.add.Tensor" else [])
-    made: dict[str, list[Value]] = {p: [] for p in params}
-    for reader, ranges in cuts:
-        for j, (start, stop) in enumerate(ranges):
-            tag = f"part{start}"
-            parts = {}
-            for i, p in enumerate(params):
-                made[p].append(_part(graph.values[p], wdim if i == 0 else 0, start, stop,
-                                     fresh(f"{p}_{tag}")))
-                parts[p] = made[p][-1].name
-            prev = None
-            for step in chain:
-                name = fresh(f"{step.name}_{tag}")
-                meta = graph.values[step.outputs[0]].meta
-                shape = meta.shape[:-1] + (stop - start,)
-                graph.values[name] = Value(name, TensorMeta(shape, meta.dtype), "activation")
-                args = list(pytree.tree_map(lambda a: Ref(parts[a.name]) if isinstance(a, Ref)
-                                            and a.name in parts else a, list(step.args)))
-                if prev is not None:
-                    args[0] = Ref(prev)
-                if step.target in _VIEWS:
-                    args[1] = list(args[1])[:-1] + [stop - start if args[1][-1] != -1 else -1]
-                new.append(Node(name, step.target, tuple(args), dict(step.kwargs), (name,),
-                                step.source, step.source_line, step.module))
-                prev = name
-            rename[reader.outputs[j]] = prev
+    made: dict[str, list[Value]] = {}
+    at: dict[str, list[Node]] = {}  # the chain's last node → the nodes that replace it
+    dropped: set[str] = set()
+    for fused in found:
+        new = at[fused.chain[-1].name] = []
+        dropped |= {n.name for n in fused.chain} | {r.name for r, _ in fused.cuts}
+        for p in fused.params:
+            made[p] = []
+        for reader, ranges in fused.cuts:
+            for j, (start, stop) in enumerate(ranges):
+                tag = f"part{start}"
+                parts = {}
+                for i, p in enumerate(fused.params):
+                    made[p].append(_part(graph.values[p], fused.wdim if i == 0 else 0, start,
+                                         stop, fresh(f"{p}_{tag}")))
+                    parts[p] = made[p][-1].name
+                prev = None
+                for step in fused.chain:
+                    name = fresh(f"{step.name}_{tag}")
+                    meta = graph.values[step.outputs[0]].meta
+                    shape = meta.shape[:-1] + (stop - start,)
+                    graph.values[name] = Value(name, TensorMeta(shape, meta.dtype), "activation")
+                    args = list(pytree.tree_map(lambda a: Ref(parts[a.name]) if isinstance(a, Ref)
+                                                and a.name in parts else a, list(step.args)))
+                    if prev is not None:
+                        args[0] = Ref(prev)
+                    if step.target in _VIEWS:
+                        args[1] = list(args[1])[:-1] + [stop - start if args[1][-1] != -1 else -1]
+                    new.append(Node(name, step.target, tuple(args), dict(step.kwargs), (name,),
+                                    step.source, step.source_line, step.module))
+                    prev = name
+                rename[reader.outputs[j]] = prev
+        for name in [o for r, _ in fused.cuts for o in r.outputs] + \
+                [n.outputs[0] for n in fused.chain]:
+            graph.values.pop(name, None)
     values: dict[str, Value] = {}
     for name, v in graph.values.items():  # each part where its module tensor was
         for part in sorted(made.get(name, [v]), key=lambda x: x.part[2] if x.part else 0):
             values[part.name] = part
     graph.values = values
-    dropped = {n.name for n in chain} | {r.name for r, _ in cuts}
     out: list[Node] = []
-    for node in graph.nodes:
-        if node.name == chain[-1].name:
-            out.extend(new)
+    for node in graph.nodes:  # a part's reader may be another fused projection's new node
+        if node.name in at:
+            out.extend(at[node.name])
         elif node.name not in dropped:
-            node.args = _renamed(node.args, rename)
-            node.kwargs = _renamed(node.kwargs, rename)
             out.append(node)
+    for node in out:
+        node.args = _renamed(node.args, rename)
+        node.kwargs = _renamed(node.kwargs, rename)
     graph.nodes = out
-    for name in [o for r, _ in cuts for o in r.outputs] + [n.outputs[0] for n in chain]:
-        graph.values.pop(name, None)
     graph.outputs = [rename.get(o, o) for o in graph.outputs]
     if graph.loss in rename:
         graph.loss = rename[graph.loss]

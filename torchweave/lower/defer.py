@@ -132,10 +132,10 @@ def defer_replicated_sums(low: "Lowering") -> None:
             gone |= {id(s) for s in low.grad_steps.get(v, [])}
     if gone:
         for prog in low.programs:
-            prog.instrs = _without(prog.instrs, gone)
+            prog.instrs = drop_comms(prog.instrs, gone)
 
 
-def _without(instrs: list, gone: set[int]) -> list:
+def drop_comms(instrs: list, gone: set[int]) -> list:
     """``instrs`` without the Comms whose step is in ``gone``; their readers read the source."""
     rename: dict[str, str] = {}
     out = []
@@ -143,12 +143,17 @@ def _without(instrs: list, gone: set[int]) -> list:
         if isinstance(ins, Comm) and id(ins.step) in gone:
             rename[ins.dst] = rename.get(ins.src, ins.src)
             continue
-        if rename and isinstance(ins, Compute):
-            args, kwargs = pytree.tree_map(
-                lambda x: LocalRef(rename.get(x.name, x.name)) if isinstance(x, LocalRef) else x,
-                (ins.args, ins.kwargs))
-            ins = replace(ins, args=args, kwargs=kwargs)
-        elif rename and isinstance(ins, Comm) and ins.src in rename:
-            ins = replace(ins, src=rename[ins.src])
-        out.append(ins)
+        out.append(renamed_reads(ins, rename))
     return out
+
+
+def renamed_reads(ins: Any, rename: dict[str, str]) -> Any:
+    """``ins`` reading ``rename[x]`` wherever it read local name ``x``."""
+    if rename and isinstance(ins, Compute):
+        args, kwargs = pytree.tree_map(
+            lambda x: LocalRef(rename.get(x.name, x.name)) if isinstance(x, LocalRef) else x,
+            (ins.args, ins.kwargs))
+        return replace(ins, args=args, kwargs=kwargs)
+    if rename and isinstance(ins, Comm) and ins.src in rename:
+        return replace(ins, src=rename[ins.src])
+    return ins

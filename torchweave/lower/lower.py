@@ -15,6 +15,7 @@ from torchweave.lower.check import check_program
 from torchweave.lower.coshard import coshard_key, coshard_regions, coshare_id, lower_region
 from torchweave.lower.defer import defer_replicated_sums, read_kind
 from torchweave.lower.derive import Need, derive, point_to_point
+from torchweave.lower.loss import count_from_inputs, keep_loss_partial
 from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
 )
@@ -89,6 +90,8 @@ class Lowering:
             lower_region(self, nodes[i:j], *key)
             i = j
         defer_replicated_sums(self)
+        keep_loss_partial(self)
+        count_from_inputs(self)
         self._finish()
         return self.programs
 

@@ -15,7 +15,7 @@ from torchweave.lower.units import read_paths
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import ParamSlot, Program
 from torchweave.runtime import train_state
-from torchweave.runtime.gradsync import GradSync
+from torchweave.runtime.gradsync import GradSync, bucket_caps
 from torchweave.runtime.regather import forward_hooks
 from torchweave.runtime.user import UserLoop
 from torchweave.runtime.groups import GroupCache
@@ -38,8 +38,10 @@ class StepConfig:
     """Clip the global gradient norm (over all shards) to this value."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: compute in bf16 from fp32 master weights; gradients and updates in fp32."""
-    bucket_mb: float = 25.0
-    """Gradient all-reduce bucket size."""
+    bucket_mb: float | None = None
+    """Gradient all-reduce bucket size, MiB. None: DDP's defaults, 25 MiB with a 1 MiB first
+    bucket (the last gradients backward produces, so the first sum starts early); a
+    number: every bucket that size, as DDP's ``bucket_cap_mb``."""
     overlap: bool = True
     """Start each bucket's all-reduce during backward."""
     p2p_tags: Literal["auto", "tagged", "untagged"] = "auto"
@@ -55,6 +57,11 @@ class StepConfig:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             problems.append(Problem(obj="StepConfig.clip_grad_norm", value=str(self.clip_grad_norm),
                                     rule="a positive norm, or None"))
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
+            problems.append(Problem(obj="StepConfig.bucket_mb", value=repr(self.bucket_mb),
+                                    rule="a positive size in MiB, or None for DDP's defaults "
+                                         "(25 MiB, the first bucket 1 MiB)",
+                                    fix="e.g. bucket_mb=25"))
         if self.precision not in ("fp32", "bf16"):
             problems.append(Problem(obj="StepConfig.precision", value=repr(self.precision),
                                     rule="one of 'fp32', 'bf16'"))
@@ -135,7 +142,8 @@ class RankModule(UserLoop):
             synced = [(p, g) for p, g in synced if not self.zero_opt.owns(p)]
         rest = [p for p, _ in trainable if self.zero_opt is None or not self.zero_opt.owns(p)]
         self.optimizer = optimizer(rest) if rest else None
-        self.sync = GradSync(group_cache, synced, bucket_bytes=int(config.bucket_mb * 2**20),
+        first, rest_bytes = bucket_caps(config.bucket_mb)
+        self.sync = GradSync(group_cache, synced, bucket_bytes=rest_bytes, first_bucket_bytes=first,
                              overlap=config.overlap)
         self.trainable = trainable
 

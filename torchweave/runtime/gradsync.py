@@ -11,8 +11,9 @@ Each bucket owns one flat buffer for the whole run. When its sum starts, each
 gradient is copied into its place there and the parameter's ``.grad`` becomes
 that place (a view), so the sum lands in the gradients with no copy back; a
 gradient that already is its view (not set to None since) is not copied at
-all. The first bucket of each group is small (``FIRST_BUCKET_BYTES``), so the
-first sum starts early in backward.
+all. By default the first bucket of each group is small (``FIRST_BUCKET_BYTES``),
+so the first sum starts early in backward; a bucket size the user gives applies to
+every bucket. Both as DDP (its ``bucket_cap_mb`` left out, or given).
 
 A caller that runs several backward passes per step (micro-batches, pipeline
 actions) says which gradients are final in the pass it is about to run
@@ -32,7 +33,17 @@ from torchweave.runtime.groups import GroupCache
 
 
 FIRST_BUCKET_BYTES = 2**20
-"""The first bucket of a group (the last gradients backward produces): 1 MiB, as DDP."""
+"""The first bucket of a group (the last gradients backward produces), by default: 1 MiB,
+as DDP's when its ``bucket_cap_mb`` is left out."""
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""The other buckets, by default: 25 MiB, as DDP's."""
+
+
+def bucket_caps(bucket_mb: float | None) -> tuple[int, int]:
+    """(first bucket, other buckets) in bytes: DDP's defaults, or ``bucket_mb`` for all."""
+    if bucket_mb is None:
+        return FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES
+    return int(bucket_mb * 2**20), int(bucket_mb * 2**20)
 
 
 @dataclass
@@ -73,7 +84,8 @@ class GradSync:
     """Bucketed all-reduce of parameter gradients over their plan-given groups."""
 
     def __init__(self, group_cache: GroupCache, params: list[tuple[torch.Tensor, tuple[int, ...]]],
-                 *, bucket_bytes: int, overlap: bool) -> None:
+                 *, bucket_bytes: int, overlap: bool, first_bucket_bytes: int | None = None
+                 ) -> None:
         self.group_cache, self.overlap = group_cache, overlap
         self.buckets: list[Bucket] = []
         self.enabled = True
@@ -84,7 +96,8 @@ class GradSync:
         for p, group in reversed(params):
             key = (group, p.dtype, p.device)
             b = open_.get(key)
-            cap = bucket_bytes if key in started else min(bucket_bytes, FIRST_BUCKET_BYTES)
+            cap = bucket_bytes if key in started or first_bucket_bytes is None \
+                else min(bucket_bytes, first_bucket_bytes)
             if b is None or b.nbytes() + p.numel() * p.element_size() > cap:
                 if b is not None:
                     started.add(key)

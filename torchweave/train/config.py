@@ -235,6 +235,9 @@ class ParallelConfig:
     p2p_tags: Literal["auto", "tagged", "untagged"] = "auto"
     """Pipeline messages: ``untagged`` (tag 0, matched by order alone, as on NCCL),
     ``tagged``, or ``auto`` (untagged on NCCL, tagged on gloo)."""
+    bucket_mb: float | None = None
+    """Gradient all-reduce bucket size, MiB: left out, DDP's defaults (25 MiB, the first
+    bucket 1 MiB); given, every bucket that size (DDP's ``bucket_cap_mb``)."""
 
     @property
     def dp(self) -> int:
@@ -262,6 +265,10 @@ class ParallelConfig:
             if getattr(self, name) < 1:
                 problems.append(Problem(obj=f"parallel.{name}", value=str(getattr(self, name)),
                                         rule="at least 1"))
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
+            problems.append(Problem(obj="parallel.bucket_mb", value=repr(self.bucket_mb),
+                                    rule="a positive size in MiB",
+                                    fix="leave it out for DDP's defaults, or e.g. bucket_mb: 25"))
         if not problems and is_auto(self.plan):
             _plan_dp(self.plan, self.world_size)  # the plan string itself is checked
             each = self.micro_batch * self.grad_accum

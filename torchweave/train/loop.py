@@ -84,7 +84,8 @@ class Trainer:
         self.code_dir = self.run_dir / "code"
         step_cfg = StepConfig(grad_accum=config.parallel.grad_accum, clip_grad_norm=None,
                               precision=config.parallel.precision,
-                              p2p_tags=config.parallel.p2p_tags)
+                              p2p_tags=config.parallel.p2p_tags,
+                              bucket_mb=config.parallel.bucket_mb)
         self.module = parallelize(self.model, example, plan=self.plan, groups=ctx.groups,
                                   optimizer=optimizer_factory(config.optim), config=step_cfg,
                                   code_dir=str(self.code_dir))

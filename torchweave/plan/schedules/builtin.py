@@ -116,45 +116,34 @@ def interleaved_1f1b(ranks: int, virtual_stages_per_rank: int, micro: int,
 
 
 def zero_bubble_h1(stages: int, micro: int) -> Schedule:
-    """ZB-H1: backward split into ``I`` and ``W``; ``W`` fills the bubbles, in 1F1B's memory.
+    """ZB-H1 (Qi et al., 2024): backward split into ``I`` and ``W``; ``W`` fills the bubbles,
+    in 1F1B's peak memory.
 
-    The order is found by running the pipeline in unit time steps. At each
-    step a stage runs, in this priority: the oldest ``I`` whose gradient has
-    arrived (it is on the critical path to the earlier stages); else the next
-    ``F`` if its input has arrived and fewer than ``stages - s`` micro-batches
-    are in flight (forward done, ``W`` not yet); else the oldest pending ``W``.
-    Deferred ``W`` passes so fill the time 1F1B spends waiting for gradients.
+    Stage ``s`` runs 1F1B's order with ``B`` replaced by ``I`` (``stages - s`` forwards
+    first, then each ``I`` followed by the next ``F``), and puts each micro-batch's ``W``
+    ``s`` micro-batches after its ``I``: right after ``I`` on the first stage, later the
+    further down the pipeline. A later stage so sends each input gradient back as soon as
+    it can and does the deferred weight gradients in the time 1F1B spends waiting for the
+    next forward; the leftover ``W`` passes run at the end, where the first stage, which
+    runs its ``W`` at once, is still busy. Every stage then holds at most ``stages``
+    micro-batches (forward done, ``W`` not yet), the first stage's 1F1B peak, and its
+    idle time is ``(stages - 1)(F + I - W)`` against 1F1B's ``(stages - 1)(F + I + W)``.
     """
     _check_counts("zero_bubble_h1", stages=stages, micro=micro)
-    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, micro) -> finish step
-    next_f = [0] * stages
-    next_i = [0] * stages
-    next_w = [0] * stages
-    schedule: Schedule = {s: [] for s in range(stages)}
-
-    def ready(key: tuple[Kind, int, int], t: int) -> bool:
-        return done.get(key, t + 1) <= t
-
-    t = 0
-    while any(n < micro for n in next_w):
-        for s in range(stages):
-            m_i, m_f, m_w = next_i[s], next_f[s], next_w[s]
-            grad_in = s == stages - 1 or ready((Kind.I, s + 1, m_i), t)
-            if m_i < m_f and ready((Kind.F, s, m_i), t) and grad_in:
-                pick = Action(s, Kind.I, m_i)
-                next_i[s] += 1
-            elif (m_f < micro and m_f - m_w < stages - s
-                  and (s == 0 or ready((Kind.F, s - 1, m_f), t))):
-                pick = Action(s, Kind.F, m_f)
-                next_f[s] += 1
-            elif m_w < m_i and ready((Kind.I, s, m_w), t):
-                pick = Action(s, Kind.W, m_w)
-                next_w[s] += 1
-            else:
-                continue
-            done[(pick.kind, s, pick.micro)] = t + 1
-            schedule[s].append(pick)
-        t += 1
+    schedule: Schedule = {}
+    for s in range(stages):
+        actions = [Action(s, Kind.F, m) for m in range(min(stages - s, micro))]
+        next_f, next_w = len(actions), 0
+        for m in range(micro):
+            actions.append(Action(s, Kind.I, m))
+            if m >= s:
+                actions.append(Action(s, Kind.W, next_w))
+                next_w += 1
+            if next_f < micro:
+                actions.append(Action(s, Kind.F, next_f))
+                next_f += 1
+        actions += [Action(s, Kind.W, m) for m in range(next_w, micro)]
+        schedule[s] = actions
     return schedule
 
 
