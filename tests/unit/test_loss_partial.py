@@ -118,3 +118,93 @@ def test_a_float_count_is_still_summed_and_the_loss_kept_partial() -> None:
         (comm,) = _all_reduces(prog)
         assert graph.values[comm.value].meta.dtype == torch.float32
         assert prog.loss_partial == (prog.rank, 2)
+
+
+class _LearnedScale(nn.Module):
+    """The denominator is a parameter: its gradient needs every rank's numerator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 1)
+        self.temp = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).pow(2).sum() / self.temp
+
+
+class _RandomMask(nn.Module):
+    """Positions counted by a mask drawn in the model: the count must be of this rank's draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        per = nn.functional.cross_entropy(self.proj(x), t, reduction="none")
+        keep = torch.rand_like(t, dtype=torch.float) < 0.5
+        return (per * keep).sum() / keep.sum()
+
+
+class _PerPosition(nn.Module):
+    """A count per position: a vector, which a plan may leave sharded after its sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        valid = t != -100
+        count = valid.sum(0)
+        per = nn.functional.cross_entropy(self.proj(x).transpose(1, 2), t, reduction="none")
+        return ((per * valid).sum(0) / count.clamp(min=1)).sum()
+
+
+class _NamedLikeAWholeCount(nn.Module):
+    """An input named as a whole count's local name would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, ne_whole: torch.Tensor) -> torch.Tensor:
+        n = (t != -100).sum()
+        return nn.functional.cross_entropy(self.proj(x) / n * ne_whole, t)
+
+
+def test_a_denominator_with_a_gradient_keeps_the_sum() -> None:
+    graph = torchweave.capture(_LearnedScale(), (torch.randn(8, 4),))
+    for prog in lower(graph, resolve("dp", graph, 2)):
+        assert prog.loss_partial == (0, 1) and len(_all_reduces(prog)) == 1
+
+
+def test_a_random_count_is_summed_not_drawn_again() -> None:
+    graph = torchweave.capture(_RandomMask(), (torch.randn(8, 4), torch.randint(0, 8, (8,))))
+    for prog in lower(graph, resolve("dp", graph, 2)):
+        assert not [i for i in prog.instrs if isinstance(i, Compute) and i.aux
+                    and "rand" in i.fn]
+        assert len(_all_reduces(prog)) == 1
+
+
+def test_a_sum_that_another_step_follows_is_kept() -> None:
+    """Seeds whose plans sum the count into a shard and then gather or send it on: the
+    steps after the sum expect the shard, so the sum stays."""
+    from torchweave.policies.random import random_plan
+
+    graph = torchweave.capture(_PerPosition(), (torch.randn(4, 4, 8), torch.randint(0, 8, (4, 4))))
+    for seed in (9, 38):
+        for prog in lower(graph, random_plan(graph, 4, seed=seed)):
+            after = {i.src for i in prog.instrs if isinstance(i, Comm)}
+            sums = [i for i in _all_reduces(prog) if i.value == "sum_1"]  # the count
+            assert graph.values["sum_1"].meta.dtype == torch.int64
+            assert sums and all(i.dst in after for i in sums), (seed, prog.rank)
+            assert not [i for i in prog.instrs if isinstance(i, Compute) and i.aux
+                        and i.outputs[0].startswith("sum_1_whole")]
+
+
+def test_whole_count_names_avoid_the_graph_s_names() -> None:
+    x, t, s = torch.randn(8, 4), torch.randint(0, 8, (8,)), torch.randn(8, 1)
+    graph = torchweave.capture(_NamedLikeAWholeCount(), (x, t, s))
+    for prog in lower(graph, resolve("dp", graph, 2)):
+        made = [o for i in prog.instrs if isinstance(i, Compute) for o in i.outputs]
+        assert "ne_whole" not in made and len(made) == len(set(made))
+        assert any(o.startswith("ne_whole") for o in made)

@@ -17,15 +17,19 @@ identity backward gave its input before.
 
 The move applies when the loss is a ``div.Tensor`` whose numerator is read only
 there, through a lone sum all-reduce with an identity backward, from partial
-pieces that each rank holds of the whole (scalar) value, and whose output every
-rank holds whole; not inside a co-sharded region or a recompute group.
+pieces that each rank holds of the whole (scalar) value, whose denominator no
+trainable parameter reaches (its gradient would need every rank's numerator),
+and whose output every rank holds whole; not inside a co-sharded region or a
+recompute group.
 
 **Counts from the whole input** (:func:`count_from_inputs`). The denominator, the
 number of targets not ignored, is summed over ranks too. Every rank holds every
 graph input whole (the generated code cuts its rows out itself), so a partial sum
-that depends on integer inputs alone (no parameter, nothing differentiable) is
-computed from the whole input where the sum would run: the same small ops on all
-rows (a compare and a count), whose result is the sum, exactly. The recomputation
+that depends on integer inputs alone (no parameter, nothing differentiable, no
+random draw, no recycled input) is computed from the whole input where the sum
+would run: the same small ops on all rows (a compare and a count), whose result
+is the sum, exactly. Only where the sum gives each holder the whole value and its
+reader reads that with no further step. The recomputation
 is marked auxiliary: the simulator does not cost a compare of the targets as work.
 """
 
@@ -40,7 +44,8 @@ from torchweave.lower.defer import drop_comms, renamed_reads
 from torchweave.lower.program import Comm, Compute, LocalRef
 from torchweave.lower.steps import AllReduce
 from torchweave.ir.graph import Ref
-from torchweave.plan.layout import Layout, Piece
+from torchweave.ops import info
+from torchweave.plan.layout import Layout, Piece, full_box
 
 if TYPE_CHECKING:
     from torchweave.lower.lower import Lowering
@@ -52,10 +57,9 @@ def keep_loss_partial(low: "Lowering") -> None:
     node = low.nodes.get(low.producer.get(loss, "")) if loss is not None else None
     if node is None or node.target != "aten.div.Tensor" or len(node.args) != 2 or node.kwargs:
         return
-    num = node.args[0]
-    num_name = getattr(num, "name", None)
-    if num_name is None or getattr(node.args[1], "name", None) is None:
-        return
+    num_name, den_name = (getattr(a, "name", None) for a in node.args)
+    if num_name is None or den_name is None or _needs_grad(low, den_name):
+        return  # a denominator with a gradient would get only this rank's term's share
     if coshard_key(low.plan, node.name) is not None or node.name in low.rerun:
         return
     if [n.name for n in graph.nodes if any(r.name == num_name for r in n.input_refs())] \
@@ -81,20 +85,40 @@ def keep_loss_partial(low: "Lowering") -> None:
     low.layouts[loss] = Layout.of(shape, low.held[loss])
 
 
+def _needs_grad(low: "Lowering", value: str) -> bool:
+    """Whether a trainable parameter reaches ``value`` (inputs get no gradient)."""
+    seen: set[str] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        val = low.graph.values[v]
+        if val.kind == "param" and val.requires_grad:
+            return True
+        node = low.producer.get(v)
+        if node is not None:
+            todo += [r.name for r in low.nodes[node].input_refs()]
+    return False
+
+
 _MAX_CONE = 8
 """Nodes a count may take from the inputs (a compare, a cast, a sum: a few)."""
 
 
 def _integer_cone(low: "Lowering", value: str) -> list[str] | None:
     """The nodes ``value`` is computed by from graph inputs alone, in graph order, if every
-    input they read is an integer or boolean tensor; else None."""
+    input they read is an integer or boolean tensor the generated code gets whole (not a
+    multi-forward plan's recycled input), and none draws random numbers; else None."""
+    recycled = _recycled_inputs(low)
     nodes: set[str] = set()
     todo = [value]
     while todo:
         v = todo.pop()
         val = low.graph.values[v]
         if val.kind == "input":
-            if val.meta.dtype.is_floating_point or val.meta.dtype.is_complex:
+            if val.meta.dtype.is_floating_point or val.meta.dtype.is_complex or v in recycled:
                 return None
             continue
         node = low.producer.get(v)
@@ -103,37 +127,71 @@ def _integer_cone(low: "Lowering", value: str) -> list[str] | None:
         if node in nodes:
             continue
         nodes.add(node)
-        if len(nodes) > _MAX_CONE or len(low.nodes[node].outputs) != 1 \
-                or coshard_key(low.plan, node) is not None:
+        spec = info(low.graph, low.nodes[node]).spec
+        if len(nodes) > _MAX_CONE or len(low.nodes[node].outputs) != 1 or spec is None \
+                or spec.random or coshard_key(low.plan, node) is not None:
             return None
         todo += [r.name for r in low.nodes[node].input_refs()]
     return [n.name for n in low.graph.nodes if n.name in nodes]
 
 
+def _recycled_inputs(low: "Lowering") -> set[str]:
+    pipe = low.plan.pipeline
+    if pipe is None or pipe.recycle is None:
+        return set()
+    return {inp for inp, _ in pipe.recycle.links}
+
+
 def count_from_inputs(low: "Lowering") -> None:
-    """Replace each sum over ranks of a partial integer-input value by computing it whole."""
-    cones: dict[int, list[str] | None] = {}
+    """Replace each sum over ranks of a partial integer-input value by computing it whole.
+
+    Only where the sum gives each holder the whole value and its reader reads that with no
+    further step. Whether a step is replaced, and the names its replacement writes, are
+    decided once per step, so every rank of its group does the same."""
+    taken = set(low.graph.values)
+    decided: dict[int, tuple[list[str], dict[str, str]] | None] = {}
     for prog in low.programs:
         out: list = []
         done: set[str] = set()
         rename: dict[str, str] = {}
-        made = {o for i in prog.instrs if isinstance(i, Compute) for o in i.outputs}
+        read_on = {i.src for i in prog.instrs if isinstance(i, Comm)}
         for ins in prog.instrs:
             step = ins.step if isinstance(ins, Comm) else None
-            if isinstance(step, AllReduce) and step.op == "sum" and id(step) not in cones:
-                held = low.held.get(ins.value, {}).values()
-                cones[id(step)] = _integer_cone(low, ins.value) \
-                    if held and all(p.is_partial for p in held) else None
-            cone = cones.get(id(step)) if step is not None else None
-            calls = _whole(low, prog.rank, cone, ins.consumer) if cone else []
-            if not calls or made & {o for c in calls for o in c.outputs}:
+            if isinstance(step, AllReduce) and id(step) not in decided:
+                decided[id(step)] = _decide(low, ins, step, read_on, taken)
+            plan = decided.get(id(step)) if step is not None else None
+            if plan is None:
                 out.append(renamed_reads(ins, rename))
                 continue
+            cone, names = plan
+            calls = _whole(low, prog.rank, cone, names, ins.consumer)
             out += calls
-            made |= {o for c in calls for o in c.outputs}
             rename[ins.dst] = calls[-1].outputs[0]
             done |= set(cone)
-        prog.instrs = _unread_dropped(out, done, prog.loss) if done else out
+        prog.instrs = _unread_dropped(out, done, low.graph.loss) if done else out
+
+
+def _decide(low: "Lowering", comm: Comm, step: AllReduce, read_on: set[str], taken: set[str]
+            ) -> tuple[list[str], dict[str, str]] | None:
+    """(the cone, its whole values' local names) if ``comm``'s sum may be computed whole."""
+    held = low.held.get(comm.value, {})
+    whole = full_box(low.graph.values[comm.value].meta.shape)
+    if step.op != "sum" or not held or any(not p.is_partial or p.box != whole
+                                           for p in held.values()) \
+            or comm.dst in read_on:  # another step follows the sum: it expects the sum's layout
+        return None
+    cone = _integer_cone(low, comm.value)
+    if cone is None:
+        return None
+    names: dict[str, str] = {}
+    for name in cone:
+        out = low.nodes[name].outputs[0]
+        local, k = f"{out}_whole", 1
+        while local in taken:
+            local, k = f"{out}_whole{k}", k + 1
+        taken.add(local)
+        names[out] = local
+    return cone, names
 
 
 def _unread_dropped(instrs: list, nodes: set[str], loss: str | None) -> list:
@@ -149,17 +207,17 @@ def _unread_dropped(instrs: list, nodes: set[str], loss: str | None) -> list:
         instrs = keep
 
 
-def _whole(low: "Lowering", device: int, cone: list[str], reader: str) -> list[Compute]:
-    """``cone``'s nodes on the whole inputs, each output named ``<value>_whole``; run for
-    ``reader`` (a pipeline puts them in its stage, where the cone's own nodes may not be)."""
+def _whole(low: "Lowering", device: int, cone: list[str], names: dict[str, str], reader: str
+           ) -> list[Compute]:
+    """``cone``'s nodes on the whole inputs, writing ``names``; run for ``reader`` (a
+    pipeline puts them in its stage, where the cone's own nodes may not be)."""
     calls = []
     for name in cone:
         node = low.nodes[name]
         args, kwargs = pytree.tree_map(
-            lambda a: LocalRef(f"{a.name}_whole" if a.name in low.producer
-                               else low.local.get((a.name, device), a.name))
+            lambda a: LocalRef(names.get(a.name) or low.local.get((a.name, device), a.name))
             if isinstance(a, Ref) else a, (node.args, node.kwargs))
         calls.append(Compute(reader, node.target, tuple(args), dict(kwargs),
-                             (f"{node.outputs[0]}_whole",), node.output_structure,
+                             (names[node.outputs[0]],), node.output_structure,
                              "whole, from the whole input: no sum over ranks", aux=True))
     return calls
