@@ -18,12 +18,13 @@ backward at their peak, per rank. For torchweave the executor also measures,
 per rank, time blocked in receives; the bubble is ``1 − Σ busy / (p ×
 slowest rank's step)``, beside the textbook ``(p−1)/(m+p−1)`` (1F1B; for
 interleaved ``(p−1)/(v·m+p−1)``) and the unit-time simulation of the same
-schedule. ``zb`` (ZB-H1) runs on torchweave alone (PyTorch's zero-bubble
-schedules need two stages per rank), beside 1F1B's textbook bubble and its
-own unit-time simulation. Peak in-flight micro-batches per rank are set beside the
-schedule's own count (GPipe: all ``m``; 1F1B: ``p − r``).
+schedule. ``zb`` (ZB-H1) races ``ScheduleInterleavedZeroBubble`` on one stage per
+rank, which gives ZB-H1's order, where this torch has it (else it runs on torchweave
+alone), beside 1F1B's textbook bubble and its own unit-time simulation. Peak
+in-flight micro-batches per rank are set beside the schedule's own count (GPipe: all
+``m``; 1F1B: ``p − r``; ZB-H1: ``p``, counted until each ``W``).
 
-Run: python bench/pipeline.py [--world-sizes 2 4] [--steps 6] [--micro 8]
+Run: python bench/pipeline.py [--world-sizes 2 4] [--steps 6] [--micro 8] [--readme]
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from mlp import ResidualMLP, block_cuts  # bench/mlp.py (the script's folder is 
 BLOCKS, D, H, BATCH, SEED = 8, 512, 2048, 128, 0
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
 PEERS = ("gpipe", "1f1b", "interleaved")
-"""Schedules with a torch.distributed.pipelining peer on the same stages (ZB-H1 has none)."""
+"""Schedules with a torch.distributed.pipelining peer on the same stages (ZB-H1's,
+``ScheduleInterleavedZeroBubble`` on one stage per rank, only where this torch has it)."""
 
 
 def make() -> tuple[ResidualMLP, torch.Tensor]:
@@ -104,7 +106,7 @@ def torch_side(ctx, schedule: str, micro: int):
     loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
     if schedule == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn)
-    elif schedule == "zb":  # ZB1P on one stage per rank: ZB-H1 (only with zb_peer, below)
+    elif schedule == "zb":  # ZB1P on one stage per rank: ZB-H1 (with zb_peer, below)
         sched = ScheduleInterleavedZeroBubble(stages, micro, loss_fn=loss_fn)
     elif schedule == "gpipe":
         sched = ScheduleGPipe(stages[0], micro, loss_fn=loss_fn)
@@ -194,11 +196,12 @@ def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> 
         schedule, lambda p, m: interleaved_1f1b(p, v, m))(p, micro)
     textbook = (p - 1) / (v * micro + p - 1)
     r0 = results[0]
-    sides = ("tw", "torch") if schedule in PEERS else ("tw",)
+    has_peer = "torch" in r0
+    sides = ("tw", "torch") if has_peer else ("tw",)
     if any("error" in r0.get(k, {}) for k in sides):
         return [f"| {schedule} | {p} | {micro} | " + " / ".join(
             r0[k].get("error", "ok") for k in sides) + " | | | | | |"]
-    if schedule not in PEERS:  # no peer: 1F1B's textbook bubble, for comparison
+    if not has_peer:  # no peer: 1F1B's textbook bubble, for comparison
         for r in results:
             r["torch"] = {"ms": float("nan"), "saved_mb": float("nan"), "losses": r["tw"]["losses"]}
         textbook = (p - 1) / (micro + p - 1)
@@ -217,7 +220,7 @@ def report(schedule: str, p: int, micro: int, results: list[dict[str, Any]]) -> 
            f"{ratio:.2f}x | {statistics.median(bubbles):.2f} | {textbook:.2f} "
            f"(sim {bubble_fraction(sched):.2f}) | {live} vs {book_live} | {mem} | "
            f"{'same' if loss_ok else 'DIFFER'} |")
-    if schedule not in PEERS:
+    if not has_peer:
         row = row.replace("nanx", "—").replace(":nan", "").replace("| nan |", "| — |")
         row = row[:row.rstrip(" |").rfind("|")] + "| — |"
     return [row]
@@ -244,17 +247,27 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     args = ap.parse_args()
+    import torch.distributed.pipelining as pp
+
+    zb_peer = hasattr(pp, "ScheduleInterleavedZeroBubble")
     rows = ["| schedule | p | m | torchweave ms | torch.pipelining ms | ratio | bubble measured | "
             "bubble textbook | peak in flight per rank (measured vs schedule) | "
             "saved activations MB per rank (tw:torch) | losses |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in args.world_sizes:
         for schedule in args.schedules:
-            results = measure(schedule, p, args.micro, args.warmup, args.steps)
+            results = measure(schedule, p, args.micro, args.warmup, args.steps, zb_peer)
             rows += report(schedule, p, args.micro, results)
             print(rows[-1], flush=True)
     print("\n".join(rows))
+    if args.readme:
+        from readme_section import write_section  # bench/readme_section.py
+
+        cmd = (f"python bench/pipeline.py --world-sizes {' '.join(map(str, args.world_sizes))} "
+               f"--steps {args.steps} --readme")
+        write_section("pipeline", cmd, "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

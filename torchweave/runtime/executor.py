@@ -194,6 +194,7 @@ class RankModule(UserLoop):
         k = self.config.grad_accum
         micro = [torch.chunk(x, k, dim=0) for x in batch]
         total: torch.Tensor | float = 0.0
+        dtype = torch.float32
         for i in range(k):
             last = i == k - 1
             self.sync.enabled = last
@@ -204,12 +205,16 @@ class RankModule(UserLoop):
                 torch.autograd.backward(roots, grads)
             if loss is not None:  # kept on the device: no wait for the value here
                 total = total + loss.detach().double()
+                dtype = torch.float64 if loss.dtype == torch.float64 else torch.float32
         self.sync.finish()
         if self.zero_opt is not None:
             self.zero_opt.finish_grads()
         if self.config.clip_grad_norm is not None:
             self.clip(self.config.clip_grad_norm)
-        return self.loss_start(total / k)
+        summed = self.loss_start(total / k)
+        # the terms are summed in float64; the loss is a number of the model's loss dtype, as
+        # the user loop's pm(*batch) returns it (float32, or float64 for a float64 model)
+        return lambda: float(torch.tensor(summed(), dtype=dtype))
 
     def set_optimizer(self, factory: OptimizerFactory) -> None:
         """Build this rank's optimizers anew with ``factory`` (ZeRO's shard and the other pieces)."""
