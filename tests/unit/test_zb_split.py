@@ -174,3 +174,51 @@ def test_w_adds_into_a_bucket_view_without_recording_a_graph() -> None:
     split.weights()
     assert m.grad.data_ptr() == flat.data_ptr() and not flat.requires_grad
     torch.testing.assert_close(flat.view(4, 4), want)
+
+
+class _Held:
+    """A saved tensor, counted while autograd holds it."""
+
+    live: set[str] = set()
+
+    def __init__(self, t: torch.Tensor, tag: str) -> None:
+        self.t, self.tag = t, tag
+        _Held.live.add(tag)
+
+    def __del__(self) -> None:
+        _Held.live.discard(self.tag)
+
+
+def test_what_only_i_reads_above_the_first_weight_is_freed_by_i() -> None:
+    """A last stage: h = x @ w, loss = log_softmax(h)[t].mean(). W reads the matmul's saved
+    input; the loss's saved logits and log-probabilities only I reads, so they go with I,
+    not when the deferred W ends (a micro-batch's logits held for every deferred W)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    t = torch.randint(0, 16, (4,))
+    tag = {"now": ""}
+
+    def pack(v: torch.Tensor):
+        return v if v.is_leaf and v.requires_grad else _Held(v, tag["now"])
+
+    def forward():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t if isinstance(h, _Held) else h):
+            tag["now"] = "matmul"
+            h = torch.relu(x) @ w
+            tag["now"] = "loss"
+            return -F.log_softmax(h, -1).gather(1, t[:, None]).mean()
+
+    loss = forward()
+    loss.backward()
+    want_x, want_w = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    _Held.live.clear()
+    loss = forward()
+    assert "loss" in _Held.live and "matmul" in _Held.live
+    split = SplitBackward([loss], [torch.ones(())], [x], [w])
+    assert "loss" not in _Held.live, "the loss's saved tensors outlive I"
+    assert "matmul" in _Held.live, "W reads the matmul's saved input"
+    torch.testing.assert_close(x.grad, want_x)
+    assert w.grad is None
+    split.weights()
+    torch.testing.assert_close(w.grad, want_w)

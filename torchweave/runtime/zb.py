@@ -91,7 +91,10 @@ class SplitBackward:
         handles = [n.register_prehook(keep(n)) for n in self.frontier]
         now = [(r, g) for r, g, x, y in zip(roots, grads, late, through) if not (x or y)]
         try:
-            if now and inputs:  # the graph is kept for W
+            if now and inputs:
+                if len(now) == 1:  # above the first node W reads: freed now (a loss, its logits)
+                    now = _through_chain(now[0], set(self.frontier), to_input, reach_in)
+                # the graph is kept for W
                 torch.autograd.backward([r for r, _ in now], [g for _, g in now], inputs=inputs,
                                         retain_graph=True)
         finally:
@@ -176,6 +179,26 @@ class SplitBackward:
         # gradient at once, and freeing them together handed the memory back to the OS, to be
         # faulted in again on the next W (42k page faults a step on ZB-H1's first stage here)
         torch.autograd.backward(outs, grads, inputs=self.params)
+
+
+def _through_chain(root: tuple[torch.Tensor, torch.Tensor], frontier: set[Any], to_input: set[Any],
+                   reach_in: dict[Any, bool]) -> list[tuple[Any, torch.Tensor]]:
+    """Backward from ``root`` down the chain of nodes that each lead on to the inputs by one
+    edge alone, up to the first frontier node or branch, with nothing kept; the (edge,
+    gradient) to go on from there. ``W`` reads nothing on the chain (it starts at frontier
+    nodes), so its saved tensors go now, not when ``W`` ends: on a last stage, the loss's
+    inputs (its logits) for every micro-batch whose ``W`` is deferred."""
+    tensor, grad = root
+    node, edge = tensor.grad_fn, None
+    while node is not None and node not in frontier:
+        down = [(c, nr) for c, nr in node.next_functions if c is not None and reach_in.get(c, False)]
+        if len(down) != 1 or down[0][0] in to_input:
+            break
+        node, edge = down[0][0], GradientEdge(*down[0])
+    if edge is None:
+        return [root]
+    (g,) = torch.autograd.grad([tensor], [edge], [grad])
+    return [(edge, g)]
 
 
 def _shared_targets(frontier: list[Any], reach_in: dict[Any, bool], reach_param: dict[Any, bool]
