@@ -85,11 +85,13 @@ def swin_hires(batch: int):
 
 
 def mixtral(batch: int):
-    """A Mixtral-like MoE: 8 experts, top 2, d=4096, 32 layers."""
+    """A Mixtral-like MoE: 8 experts, top 2, d=4096, 32 layers, each sequence of 4,096 tokens
+    routed as one group (GShard's groups: the dense dispatch grows with the batch, where one
+    group of the whole batch would grow with its square)."""
     from torchweave.models.moe import MoEConfig, MoEGPT
 
     cfg = MoEConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, d_model=4096,
-                    ffn_hidden=14336, n_expert=8, top_k=2)
+                    ffn_hidden=14336, n_expert=8, top_k=2, group_size=4096)
     idx = torch.zeros(batch, 4096, dtype=torch.long)
     return MoEGPT(cfg), (idx, idx)
 
@@ -174,15 +176,34 @@ def main() -> int:
 
 def _merged(rows: list[str]) -> list[str]:
     """This run's table rows, with the rows of models it did not run kept from the table in
-    docs/search.md (a run with ``--only`` redoes some rows), in :data:`CASES` order."""
+    docs/search.md (a run with ``--only`` redoes some rows), in :data:`CASES` order. A model
+    this run searched without ``--grid`` keeps its earlier grid row (the grid is the
+    megatron space's exhaustive search, which no change to the other presets moves), its
+    free/this ratio taken again against this run's free step."""
     text = DOC.read_text()
     begin, end = text.find("<!-- search-quality:begin -->"), text.find("<!-- search-quality:end -->")
     old = [line for line in text[begin:end].splitlines() if line.startswith("| ")
            and not line.startswith("| model") and begin >= 0]
-    ran = {r.split(" | ")[0][2:] for r in rows[2:]}
-    kept = [line for line in old if line.split(" | ")[0][2:] not in ran]
+
+    def cells(row: str) -> list[str]:
+        return [c.strip() for c in row.strip().strip("|").split(" | ")]
+
+    ran = {cells(r)[0] for r in rows[2:]}
+    gridded = {cells(r)[0] for r in rows[2:] if cells(r)[3] == GRID}
+    free = {cells(r)[0]: cells(r)[5] for r in rows[2:] if cells(r)[3] == "free"}
+    kept = []
+    for line in old:
+        c = cells(line)
+        if c[0] not in ran:
+            kept.append(line)
+        elif c[3] == GRID and c[0] not in gridded:
+            if c[5] and free.get(c[0]):
+                c[7] = f"{float(c[5]) / float(free[c[0]]):.3f}"
+            kept.append("| " + " | ".join(c) + " |")
     order = {name: i for i, name in enumerate(CASES)}
-    body = sorted(kept + rows[2:], key=lambda r: order.get(r.split(" | ")[0][2:], len(order)))
+    rank = {label: i for i, label in enumerate(("megatron", GRID) + PRESETS[1:])}
+    body = sorted(kept + rows[2:], key=lambda r: (order.get(cells(r)[0], len(order)),
+                                                   rank.get(cells(r)[3], len(rank))))
     return rows[:2] + body
 
 

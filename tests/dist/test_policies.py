@@ -159,24 +159,30 @@ def test_every_policy_runs_on_one_rank() -> None:
 def test_expert_parallelism_splits_the_experts_and_matches_one_device() -> None:
     """``ep``: each rank holds and runs its share of the experts; the dispatched tokens reach
     them by a derived reduce-scatter and come back by an all-gather. Capacity-limited routing
-    (moe-tiny) and dropless routing (moe-dropless-tiny) alike."""
+    (moe-tiny), dropless routing (moe-dropless-tiny) and routing per sequence
+    (moe-grouped-tiny, whose replicas under dp take whole groups) alike."""
     from torchweave.policies import resolve
 
     model, inputs = built("moe-tiny")[:2]
     # ep=4 (one expert each); dp=2 × ep=2, with ZeRO-1; ep=2 × tp=2; a pipeline of ep=2 stages
     plans = ["ep", "ep:ep=2", "ep:ep=2,zero=1", "ep:ep=2,tp=2", "1f1b:ep=2,pp=2,micro=2"]
     dropless = ["ep", "ep:ep=2"]
-    for name, texts in (("moe-tiny", plans), ("moe-dropless-tiny", dropless)):
+    grouped = ["ep", "ep:ep=2", "1f1b:ep=2,pp=2,micro=2"]
+    for name, texts in (("moe-tiny", plans), ("moe-dropless-tiny", dropless),
+                        ("moe-grouped-tiny", grouped)):
         for text in texts:
             plan = resolve(text, captured(name), 4)
             assert plan.notes["experts"].startswith("4 expert ops split"), plan.notes
     other, other_inputs = built("moe-dropless-tiny")[:2]
+    third, third_inputs = built("moe-grouped-tiny")[:2]
     reports = verify_many([Case(model, inputs, p, steps=3, name=p) for p in plans] +
-                          [Case(other, other_inputs, p, steps=3, name=f"dropless {p}") for p in dropless],
+                          [Case(other, other_inputs, p, steps=3, name=f"dropless {p}") for p in dropless] +
+                          [Case(third, third_inputs, p, steps=3, name=f"grouped {p}") for p in grouped],
                           world_size=4)
     for report in reports:
         assert report.ok, str(report)
-    assert not reports[-1].replicated and not reports[-2].replicated
+    for report in reports[len(plans):]:  # dropless and grouped
+        assert not report.replicated, report.replicated
     for report in reports[:3]:
         assert not report.replicated, report.replicated  # the experts' einsums are split
     # ep=4: each rank's partial dispatch is reduce-scattered to the experts' owners, one per

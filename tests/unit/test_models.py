@@ -11,7 +11,7 @@ from torchweave.models import FACTORIES, build, get_factory
 from torchweave.models.gpt import GPT, GPTConfig, flops_per_token, num_params
 
 TINY = [
-    "gpt-tiny", "llama-tiny", "vit-tiny", "swin-tiny", "t5-tiny", "moe-tiny", "moe-dropless-tiny",
+    "gpt-tiny", "llama-tiny", "vit-tiny", "swin-tiny", "t5-tiny", "moe-tiny", "moe-dropless-tiny", "moe-grouped-tiny",
     "hf-gpt2-tiny", "hf-llama-tiny",
 ]
 
@@ -87,6 +87,36 @@ def test_gpt_175b_on_meta() -> None:
     n = sum(p.numel() for p in model.parameters())
     assert n == num_params(model.cfg) and math.isclose(n, 174.6e9, rel_tol=1e-3)
     assert math.isclose(flops_per_token(model.cfg, 2048), 1.0765e12, rel_tol=1e-3)
+
+
+def test_grouped_routing_routes_each_group_as_the_whole_batch_routes_itself() -> None:
+    """``group_size``: each group of tokens is routed with its own capacity, exactly as a
+    batch of just that group is routed whole; one group of the whole batch is the whole
+    batch's routing; a size that does not divide the tokens is named with a fix."""
+    from torchweave.models.moe import MoEConfig, MoELayer
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=8, block_size=16, n_layer=1, n_head=2, d_model=16, ffn_hidden=8,
+              n_expert=4, top_k=2, capacity_factor=0.75)
+    whole = MoELayer(MoEConfig(**kw))
+    x = torch.randn(3, 16, 16)
+    for size, parts in ((48, 1), (16, 3), (8, 6)):
+        grouped = MoELayer(MoEConfig(**kw, group_size=size))
+        grouped.load_state_dict(whole.state_dict())
+        y, aux = grouped(x)
+        if parts == 1:
+            y1, aux1 = whole(x)
+            torch.testing.assert_close(y, y1)
+            torch.testing.assert_close(aux, aux1)
+            continue
+        flat = x.reshape(parts, 1, size, 16)
+        alone = torch.cat([whole(flat[g])[0] for g in range(parts)], 1).reshape(3, 16, 16)
+        torch.testing.assert_close(y, alone)
+    assert not torch.allclose(y, whole(x)[0])  # groups of 8 fill their own, smaller buffers
+    with pytest.raises(ValueError, match="group_size=5 does not divide"):
+        MoELayer(MoEConfig(**kw, group_size=5))(x)
+    with pytest.raises(ValueError, match="group_size=0"):
+        MoEConfig(**kw, group_size=0)
 
 
 def test_dropless_routing_drops_no_token_where_a_capacity_does() -> None:

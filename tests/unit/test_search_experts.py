@@ -20,7 +20,7 @@ def test_expert_points_join_the_space_of_models_with_experts_only() -> None:
     assert expert_count(captured("vit-tiny")) == 0  # a convolution's output channels are not experts
     pts, _ = points(4, 4, 2, preset("free"), experts=4)
     eps = [p for p in pts if p.ep > 1]
-    assert {p.ep for p in eps} == {2, 4} and all(not estimable(p) for p in eps)
+    assert {p.ep for p in eps} == {2, 4} and all(estimable(p) for p in eps)
     for p in eps:  # each is a plan string that builds on the model
         plan = resolve(p.spec, captured("moe-tiny"), 4)
         assert plan.notes["experts"].startswith("4 expert ops"), p.spec
@@ -28,6 +28,41 @@ def test_expert_points_join_the_space_of_models_with_experts_only() -> None:
     assert {p.ep for p in points(8, 8, 2, preset("free"), experts=4)[0]} == {1, 2, 4}  # ep | experts
     for name in ("dp", "zero3", "nnscaler", "alpa"):
         assert not [p for p in points(4, 4, 2, preset(name), experts=4)[0] if p.ep > 1], name
+
+
+def test_expert_points_are_priced_by_a_proxy_planned_with_ep() -> None:
+    """An expert-parallel point is estimated from a proxy planned with ``ep`` (experts and
+    batch over ep, on ``ep · tp`` devices), its expert gradients summed over dp only: the
+    estimate is within 5% of the event simulator, with and without a pipeline, dp and tp."""
+    import torch
+
+    import torchweave
+    from torchweave.models.moe import MoEConfig, MoEGPT
+    from torchweave.policies.spec import PlanSpec
+    from torchweave.search.estimate import estimate, proxy
+    from torchweave.search.space import Point
+    from torchweave.sim.fast.fold import find_blocks
+    from torchweave.sim.simulate import simulate
+
+    cfg = MoEConfig(vocab_size=8192, block_size=1024, n_layer=8, n_head=8, d_model=2048,
+                    ffn_hidden=4096, n_expert=8, top_k=2, group_size=1024)
+    with torch.device("meta"):  # steps of 0.1 s: a small model's, of milliseconds, is latency
+        model, idx = MoEGPT(cfg), torch.zeros(64, 1024, dtype=torch.long)
+    g = torchweave.capture(model, (idx, idx))
+    cluster = parse_cluster("16xA100-80GB-SXM@8")
+    blocks = find_blocks(g, PlanSpec.parse("dp").build(g, 1), least=4)
+    assert blocks is not None and len(blocks) == 8  # the load-balancing sum is inside each block
+    for pt in (Point(1, 1, 2, 1, "none", 1, "none", 1, False, ep=8),
+               Point(1, 1, 2, 1, "none", 1, "none", 0, False, ep=8),
+               Point(2, 1, 2, 1, "none", 1, "none", 0, False, ep=4),
+               Point(1, 2, 2, 8, "1f1b", 1, "none", 0, False, ep=4)):
+        px = proxy(g, blocks, cluster, pt.tp, False, "none", dtype=torch.bfloat16,
+                   precision="bf16-mixed", ep=pt.ep)
+        assert 0 < px.expert_params < px.block_params
+        est = estimate(pt, px, cluster, len(blocks), precision="bf16-mixed")
+        sim = simulate(g, PlanSpec.parse(pt.spec).build(g, 16), cluster, dtype=torch.bfloat16,
+                       timeline=False)
+        assert abs(est.step_s / sim.step_time - 1) < 0.05, (pt.spec, est, sim.step_time)
 
 
 def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:

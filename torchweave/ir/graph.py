@@ -166,6 +166,13 @@ def resolve_target(target: str) -> Any:
     return obj
 
 
+NO_GRAD = frozenset(f"aten.{op}.default" for op in (
+    "new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "randint_like", "detach"))
+"""Ops whose output takes no gradient from their tensor inputs (those only give a shape,
+dtype or device, or are detached on purpose)."""
+
+
 @dataclass
 class Graph:
     """A captured forward pass."""
@@ -213,6 +220,19 @@ class Graph:
                     users[ref.name].append(n)
                     seen.add(ref.name)
         return users
+
+    def grad_values(self) -> frozenset[str]:
+        """Values that carry a gradient in backward: floating, and reached from a trainable
+        parameter (or an input that requires one) through ops that pass gradients on. A
+        mask made from the activations (``new_zeros``, a compare, ``one_hot``) is not one:
+        autograd records nothing for it, so it saves nothing and sums nothing."""
+        out: set[str] = {name for name, v in self.values.items() if v.requires_grad
+                         and v.kind in ("param", "input") and v.meta.dtype.is_floating_point}
+        for n in self.nodes:
+            if n.target in NO_GRAD or not any(r.name in out for r in n.input_refs()):
+                continue
+            out.update(o for o in n.outputs if self.values[o].meta.dtype.is_floating_point)
+        return frozenset(out)
 
     def input_metas(self, node: Node) -> list[TensorMeta]:
         return [self.values[r.name].meta for r in node.input_refs()]

@@ -139,6 +139,16 @@ def moe_dropless_tiny() -> Example:
     return MoEGPT(cfg), _tokens(cfg.vocab_size, 4, 16)
 
 
+def moe_grouped_tiny() -> Example:
+    """``moe-tiny`` routed per sequence (GShard's groups, ``group_size=16``): each of the 4
+    sequences fills its own 10 slots per expert."""
+    cfg = MoEConfig(
+        vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64, ffn_hidden=128,
+        n_expert=4, top_k=2, group_size=16,
+    )
+    return MoEGPT(cfg), _tokens(cfg.vocab_size, 4, 16)
+
+
 def recycler_tiny() -> Example:
     """An AlphaFold-style recycling model (:mod:`torchweave.models.recycler`); batch 8."""
     return _recycler_example(RecyclerConfig(), 8)
@@ -176,6 +186,7 @@ FACTORIES: dict[str, Callable[[], Example]] = {
     "t5-tiny": t5_tiny,
     "moe-tiny": moe_tiny,
     "moe-dropless-tiny": moe_dropless_tiny,
+    "moe-grouped-tiny": moe_grouped_tiny,
     "recycler-tiny": recycler_tiny,
     "hf-gpt2-tiny": hf_gpt2_tiny,
     "hf-llama-tiny": hf_llama_tiny,

@@ -14,11 +14,13 @@ the batch, by arithmetic:
   plus the rest, scaled by the micro-batch's share of the batch;
 - **bubble**: the schedule's fill and drain, ``(pp − 1)`` stage times for GPipe and
   1F1B, ``(pp − 1)/virtual`` for interleaved, a third of 1F1B's for ZB-H1;
-- **gradient sum** over ``dp``, in the compute dtype: costed by the simulator's
+- **gradient sum** over ``dp`` (with expert parallelism, the experts' over ``dp`` and the
+  rest over ``dp × ep``; the proxy, planned with ``ep`` on ``ep · tp`` devices, already
+  holds the sums within ``ep`` and the dispatch and combine), in the compute dtype: costed by the simulator's
   collective model; for plain data parallelism in 25 MiB buckets, all but the last
-  hidden behind the backward where it is long enough (not with tensor parallelism:
-  its collectives in backward queue behind the buckets on the one communication
-  stream, and the backward waits for them); after the pipeline flush otherwise; ZeRO-1 one all-reduce (ZeRO-2 one reduce-scatter) and one gather of the
+  hidden behind the backward where it is long enough (not with tensor or expert
+  parallelism: their collectives in backward queue behind the buckets on the one
+  communication stream, and the backward waits for them); after the pipeline flush otherwise; ZeRO-1 one all-reduce (ZeRO-2 one reduce-scatter) and one gather of the
   updated shards (ZeRO-3 and interlaced points are not estimated: :func:`estimable`);
 - **optimizer**: AdamW's memory-bound pass over the rank's (shard of) parameters;
 - **memory**: the rank's model state (:func:`~torchweave.sim.hardware.memory.model_state_memory`)
@@ -67,6 +69,13 @@ class Proxy:
     """What one block hands the next (its output), at the whole batch, on one rank."""
     plan: Plan
     """The proxy's plan on the 4-block model (op rules are checked on it)."""
+    ep: int = 1
+    """Devices the experts are split over (1: no expert parallelism). The proxy then runs
+    on ``ep · tp`` devices with the batch split over ``ep``, so its seconds and activations
+    are one rank's share already."""
+    expert_params: int = 0
+    """Of ``block_params``, the experts' elements on one rank (their gradients are summed
+    over ``dp`` only; the rest of the block's over ``dp · ep``)."""
 
 
 @dataclass(frozen=True)
@@ -90,15 +99,19 @@ def sub_cluster(cluster: Cluster, n: int) -> Cluster:
 
 
 def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, recompute: str, *,
-          dtype, precision: str, dims: dict[str, str | None] | None = None, coshard: int = 0) -> Proxy:
-    """The proxy of ``(tp, sp, recompute, split, coshard)``; raises the policy's error where
-    the split does not apply to the model (e.g. heads not divisible by tp)."""
-    opts = ([f"tp={tp}", "dp=1"] if tp > 1 else []) + (
-        [f"recompute={recompute}"] if recompute != "none" else []) + (
-        ["split=solved"] if dims is not None else []) + ([f"coshard={coshard}"] if coshard else [])
-    text = ("dp" if tp == 1 else "sp" if sp else "tp") + (":" + ",".join(opts) if opts else "")
-    plan = PlanSpec.parse(text).build(graph, tp, dims=dims)
-    small = sub_cluster(cluster, tp)
+          dtype, precision: str, dims: dict[str, str | None] | None = None, coshard: int = 0,
+          ep: int = 1) -> Proxy:
+    """The proxy of ``(tp, sp, recompute, split, coshard, ep)``; raises the policy's error
+    where the split does not apply to the model (e.g. heads not divisible by tp)."""
+    rec = [f"recompute={recompute}"] if recompute != "none" else []
+    if ep > 1:  # the experts over ep, the batch over ep, Megatron's tp inside
+        text = "ep:" + ",".join([f"ep={ep}", "dp=1", f"tp={tp}"] + rec)
+    else:
+        opts = ([f"tp={tp}", "dp=1"] if tp > 1 else []) + rec + (
+            ["split=solved"] if dims is not None else []) + ([f"coshard={coshard}"] if coshard else [])
+        text = ("dp" if tp == 1 else "sp" if sp else "tp") + (":" + ",".join(opts) if opts else "")
+    plan = PlanSpec.parse(text).build(graph, tp * ep, dims=dims)
+    small = sub_cluster(cluster, tp * ep)
     runs = []
     for k in (3, 4):
         g, p = cut(graph, plan, blocks, k)
@@ -120,7 +133,25 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     boundary = graph.values[out].meta.nbytes
     return Proxy(max(block, 0.0), max(rest, 0.0), m4.activations - m3.activations,
                  max(0, m4.activations - 4 * (m4.activations - m3.activations)), pb, pr,
-                 boundary, p4)
+                 boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0)
+
+
+def _expert_elements(graph: Graph, blocks: Blocks, devices: int) -> int:
+    """One rank's elements of block 1's expert weights (those an expert op indexes by its
+    first axis: :func:`~torchweave.policies.expert.expert_axis`), split over the proxy's
+    ``devices`` (experts over ep, each expert's hidden width over tp, as the ep policy
+    splits them)."""
+    from torchweave.ops import info
+    from torchweave.policies.expert import expert_axis
+
+    start, end = blocks.spans[1]
+    seen: set[str] = set()
+    for node in graph.nodes[start:end]:
+        if expert_axis(graph, node, info(graph, node)) is None:
+            continue
+        seen.update(r.name for r in node.input_refs() if graph.values[r.name].kind == "param"
+                    and len(graph.values[r.name].meta.shape) >= 3)
+    return sum(graph.values[n].meta.numel for n in seen) // devices
 
 
 def estimable(pt: Point) -> bool:
@@ -128,9 +159,9 @@ def estimable(pt: Point) -> bool:
     not runs of blocks) nor ZeRO-3: its exposed time is each unit's gather against the
     compute of the unit before, unit by unit (``runtime/zero3.py``'s one-unit prefetch),
     which arithmetic on whole blocks misses by 6-12% (GPT-3 13B on 64 A100s). The
-    search simulates these points directly; there are few (ZeRO-3 is ``dp`` only). Nor
-    expert parallelism: a block's proxy is planned without it."""
-    return pt.schedule != "interlaced" and pt.zero < 3 and pt.ep == 1
+    search simulates these points directly; there are few (ZeRO-3 is ``dp`` only).
+    Expert-parallel points are priced from a proxy planned with ``ep`` (:func:`proxy`)."""
+    return pt.schedule != "interlaced" and pt.zero < 3
 
 
 def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision: str) -> Estimate:
@@ -154,27 +185,35 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     elems = int(per_rank_blocks * px.block_params + px.rest_params)
     # Gradients are summed, and ZeRO's shards gathered, in the compute dtype (as the
     # simulator's tasks do: sim/step/build.py ``itemsize``).
-    param_bytes = (2 if precision == "bf16-mixed" else 4) * elems
-    group = _dp_group(pt, cluster)
+    item = 2 if precision == "bf16-mixed" else 4
+    param_bytes = item * elems
     sync = 0.0
     if pt.dp > 1:
+        # (bytes, group) of each gradient sum over data parallelism: with ``ep``, the experts'
+        # over their dp replicas, the rest over dp × ep (its sum within ep is the proxy's).
+        experts = item * int(per_rank_blocks * px.expert_params)
+        sums = [(param_bytes - experts, _dense_group(pt)), (experts, _dp_group(pt, cluster))]
+        sums = [(b, g) for b, g in sums if b > 0]
         if pt.zero == 0:
-            n = max(1, math.ceil(param_bytes / BUCKET_BYTES))
-            last = _seconds(cluster, Collective.ALL_REDUCE, param_bytes / n, group)
-            full = n * last
-            if pt.pp == 1 and pt.tp == 1:
+            full = last = 0.0
+            for nbytes, group in sums:
+                n = max(1, math.ceil(nbytes / BUCKET_BYTES))
+                last = _seconds(cluster, Collective.ALL_REDUCE, nbytes / n, group)
+                full += n * last
+            if pt.pp == 1 and pt.tp == 1 and pt.ep == 1:
                 backward = work * 2 / 3
                 sync = max(last, full - backward)
-            else:  # after the flush; or, with tp, the backward's tensor-parallel
-                sync = full  # collectives queue behind the buckets on the one comm stream
+            else:  # after the flush; or, with tp (ep), the backward's tensor-parallel
+                sync = full  # (expert) collectives queue behind the buckets on the one comm stream
         else:  # ZeRO-1: one all-reduce after backward (ZeRO-2: a reduce-scatter), one gather
             # of the updated shards after AdamW
             coll = Collective.REDUCE_SCATTER if pt.zero == 2 else Collective.ALL_REDUCE
-            sync = (_seconds(cluster, coll, param_bytes, group)
-                    + _seconds(cluster, Collective.ALL_GATHER, param_bytes, group))
+            sync = sum(_seconds(cluster, coll, nbytes, group)
+                       + _seconds(cluster, Collective.ALL_GATHER, nbytes, group)
+                       for nbytes, group in sums)
     p2p = 0.0
     if pt.pp > 1:
-        hop = px.boundary_bytes * f / max(pt.tp, 1)
+        hop = px.boundary_bytes * f / (max(pt.tp, 1) * pt.ep)
         link = cluster.inter if pt.tp * pt.dp >= cluster.devices_per_node else cluster.intra
         p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
@@ -203,8 +242,15 @@ def _seconds(cluster: Cluster, c: Collective, nbytes: float, group: tuple[int, .
 
 
 def _dp_group(pt: Point, cluster: Cluster) -> tuple[int, ...]:
-    """Rank 0's data-parallel group as the policies lay it out (tp innermost)."""
-    return tuple(range(0, pt.tp * pt.dp, pt.tp))
+    """Rank 0's data-parallel group as the policies lay them out (``dp × ep × tp``, tp
+    innermost)."""
+    return tuple(range(0, pt.tp * pt.ep * pt.dp, pt.tp * pt.ep))
+
+
+def _dense_group(pt: Point) -> tuple[int, ...]:
+    """Rank 0's group for the gradients of what is not an expert: every rank of its stage
+    with its tensor-parallel index (its data-parallel group when there is no ``ep``)."""
+    return tuple(range(0, pt.tp * pt.ep * pt.dp, pt.tp))
 
 
 __all__ = ["Estimate", "Proxy", "estimable", "estimate", "proxy", "sub_cluster"]

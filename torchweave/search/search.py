@@ -191,7 +191,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             for pt in pts:
                 if not estimable(pt):
                     continue
-                px = proxies[(pt.tp, pt.sp, pt.recompute, pt.split, pt.coshard)]
+                px = proxies[_key(pt)]
                 if px is None:
                     continue
                 e = estimate(pt, px, cluster, len(blocks), precision=precision)
@@ -261,7 +261,7 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
     degrees only while they make a block faster; a degree's solved split is solved
     (``solve_tp``, into ``parts``) when the degree is reached."""
     proxies: dict[tuple, Proxy | None] = {}
-    keys = sorted({(p.tp, p.sp, p.recompute, p.split, p.coshard) for p in pts})
+    keys = sorted({_key(p) for p in pts})
     stop = None
     for tp in sorted({k[0] for k in keys}):
         group = [k for k in keys if k[0] == tp]
@@ -271,10 +271,11 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
         if stop is not None:
             proxies.update((k, None) for k in group)
             continue
-        best_block = min((x.block_s for k, x in proxies.items() if x and k[0] < tp),
+        best_block = min((x.block_s for k, x in proxies.items() if x and k[0] < tp and k[5] == 1),
                          default=math.inf)
         for key in group:
-            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]} coshard={key[4]}")
+            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]} coshard={key[4]}"
+                + (f" ep={key[5]}" if key[5] > 1 else ""))
         got = runner.map(_proxy_job, [(key, parts[tp].dims if key[3] == "solved" and parts.get(tp)
                                        else None) for key in group])
         for key, px in zip(group, got):
@@ -283,20 +284,26 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
                 excluded.append(f"tp={tp}{' (sp)' if key[1] else ''}: "
                                 + "; ".join(f"{p.value}: {p.rule}" for p in px.problems))
                 continue
-            bad = op_rules(px.plan, graph, c.ops, tp)
+            bad = op_rules(px.plan, graph, c.ops, tp, key[5])  # ep: the batch over ep is not tp's
             if bad:
                 excluded.append(f"tp={tp}: {bad}")
                 continue
             proxies[key] = px
-            if key[1:] == (False, "none", "rule", 0) and tp > 1 and px.block_s >= best_block:
+            if key[1:] == (False, "none", "rule", 0, 1) and tp > 1 and px.block_s >= best_block:
                 stop = tp
                 excluded.append(f"tp > {tp}: not tried; tp={tp} is no faster per block "
                                 f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
     return proxies
 
 
+def _key(pt: Point) -> tuple:
+    """The proxy that prices ``pt``: its way of splitting a block."""
+    return (pt.tp, pt.sp, pt.recompute, pt.split, pt.coshard, pt.ep)
+
+
 def _proxy_job(s: dict, key: tuple, dims: dict | None) -> Proxy:
-    return proxy(s["graph"], s["blocks"], s["cluster"], *key[:3], coshard=key[4], dtype=s["dtype"],
+    return proxy(s["graph"], s["blocks"], s["cluster"], *key[:3], coshard=key[4], ep=key[5],
+                 dtype=s["dtype"],
                  precision=s["precision"], dims=dims)
 
 

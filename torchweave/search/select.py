@@ -22,9 +22,9 @@ ROUNDS = 2
 
 def family(pt: Point) -> tuple:
     """The points whose estimates share a bias: one split of the block (tp, sp, solved or
-    Megatron's), pipelined or not. (ZeRO-3 points, whose per-unit gathers the estimate
+    Megatron's, the experts over ep), pipelined or not. (ZeRO-3 points, whose per-unit gathers the estimate
     cannot see, are not estimated at all: :func:`~torchweave.search.estimate.estimable`.)"""
-    return (pt.tp, pt.sp, pt.split, pt.pp > 1)
+    return (pt.tp, pt.sp, pt.split, pt.pp > 1, pt.ep)
 
 
 def families(order: list[Point], ests: dict[Point, Estimate]) -> list[Point]:

@@ -245,7 +245,7 @@ def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:
     step = ins.step
     name = f"{steps.name_of(step)} {ins.value} bwd"
     waits, sets = (grad(ins.dst),), (grad(ins.src),)
-    if not self.graph.values[ins.value].meta.dtype.is_floating_point or isinstance(step, steps.Narrow):
+    if ins.value not in self.grads or isinstance(step, steps.Narrow):  # no gradient to move
         return Task(LOCAL, name, waits, sets)
     if isinstance(step, steps.P2P):
         return Task(COMM, name, waits, sets, self.p2p(step.grad_back, r, ins.value))

@@ -61,6 +61,9 @@ class StepContext:
                         if (key := coshard_key(self.plan, node.name)) is not None}
         """Co-sharded node → its ``k`` (:mod:`torchweave.lower.coshard`): each chunk is run
         again before its backward, like a recompute group."""
+        self.grads = self.graph.grad_values()
+        """Values that carry a gradient (``Graph.grad_values``): only their ops and
+        communication have a backward."""
         for node in self.graph.nodes:
             self.costs[node.name] = self._node_cost(node)
             self.saves[node.name] = saves(self.graph, node)
@@ -91,7 +94,7 @@ class StepContext:
             else:
                 numel = meta.numel
             out.append(numel * self.itemsize(name))
-        grad = any(self.graph.values[o].meta.dtype.is_floating_point for o in node.outputs)
+        grad = any(o in self.grads for o in node.outputs)
         fwd, bwd = t.fwd * frac, t.bwd * frac
         if self.profiles is not None:
             hit = self.profiles.lookup(op_key(self.graph, node, piece, self.dtype) or "")

@@ -81,8 +81,9 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
             if group is not None:  # made here inside the group: recomputed, not kept
                 inner.update((o, group) for o in ins.outputs)
             pos = refs if len(refs) == len(node.input_refs()) else []
-            for v in [pos[i] for i in sv.inputs if i < len(pos)] + [
-                    ins.outputs[i] for i in sv.outputs if i < len(ins.outputs)]:
+            saved = [pos[i] for i in sv.inputs if i < len(pos)] + [
+                ins.outputs[i] for i in sv.outputs if i < len(ins.outputs)] if cost.grad else []
+            for v in saved:  # autograd saves nothing for an op with no gradient
                 base = root.get(v, v)
                 if group is not None and inner.get(v) == group:
                     continue  # recomputed in backward: only the group's inputs are kept
@@ -92,7 +93,7 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
                 if v not in not_act and base not in not_act:
                     kept[base] = nbytes.get(base, 0.0)
                     kept_stage.setdefault(base, ctx.stage_of.get(ins.node))
-            if sv.extra and cost.out_bytes and group is None:
+            if sv.extra and cost.out_bytes and group is None and cost.grad:
                 foot.activations += int(sv.extra * cost.out_bytes[0])
             free = cost.fwd == 0.0
             if not free and cost.grad:  # one micro-batch's output at a time in a pipeline

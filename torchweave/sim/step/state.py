@@ -16,7 +16,8 @@ class NodeCost:
     out_bytes: tuple[int, ...]
     """Local bytes of each output on a rank that runs a piece."""
     grad: bool
-    """Whether any output is floating (carries a gradient)."""
+    """Whether any output carries a gradient (``Graph.grad_values``): else the node has no
+    backward and saves nothing for one."""
     model_flops: float
     """Forward and backward FLOPs of the whole node."""
 
