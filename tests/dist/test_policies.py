@@ -167,7 +167,8 @@ def test_expert_parallelism_splits_the_experts_and_matches_one_device() -> None:
     # ep=4 (one expert each); dp=2 × ep=2, with ZeRO-1; ep=2 × tp=2; a pipeline of ep=2 stages
     plans = ["ep", "ep:ep=2", "ep:ep=2,zero=1", "ep:ep=2,tp=2", "1f1b:ep=2,pp=2,micro=2"]
     dropless = ["ep", "ep:ep=2"]
-    grouped = ["ep", "ep:ep=2", "1f1b:ep=2,pp=2,micro=2"]
+    grouped = ["ep", "ep:ep=2", "1f1b:ep=2,pp=2,micro=2", "zb:ep=2,pp=2,micro=2",
+               "interleaved:ep=2,pp=2,micro=2,virtual=2,zero=1"]  # every schedule the search offers ep
     for name, texts in (("moe-tiny", plans), ("moe-dropless-tiny", dropless),
                         ("moe-grouped-tiny", grouped)):
         for text in texts:

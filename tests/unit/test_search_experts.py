@@ -26,6 +26,11 @@ def test_expert_points_join_the_space_of_models_with_experts_only() -> None:
         assert plan.notes["experts"].startswith("4 expert ops"), p.spec
     assert not [p for p in points(4, 4, 2, preset("free"))[0] if p.ep > 1]
     assert {p.ep for p in points(8, 8, 2, preset("free"), experts=4)[0]} == {1, 2, 4}  # ep | experts
+    for name, scheds in (("free", {"none", "gpipe", "1f1b", "interleaved", "zb"}),
+                         ("megatron", {"none", "1f1b", "interleaved"})):  # every pipeline schedule
+        eps = [p for p in points(8, 16, 4, preset(name), experts=4)[0] if p.ep > 1]
+        assert {p.schedule for p in eps} == scheds, name
+        assert all(p.virtual == 2 and p.micro % p.pp == 0 for p in eps if p.schedule == "interleaved")
     for name in ("dp", "zero3", "nnscaler", "alpa"):
         assert not [p for p in points(4, 4, 2, preset(name), experts=4)[0] if p.ep > 1], name
 

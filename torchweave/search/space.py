@@ -130,27 +130,33 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
 
 def expert_points(world: int, batch: int, blocks: int, c: Constraints, experts: int) -> list[Point]:
     """Expert-parallel points: ``ep`` > 1 devices split the ``experts``, ``dp × ep`` the batch,
-    with ``tp`` inside and, where the model has blocks, in pipelines (1F1B). ZeRO-1 and -2
-    only (ZeRO-3's gathers and ep's transfers can deadlock: ``parallel._check_zero3_order``)."""
+    with ``tp`` inside and, where the model has blocks, in pipelines of every schedule the
+    constraints allow (interleaved with its ``virtual`` stages). ZeRO-1 and -2 without a
+    pipeline, ZeRO-1 in one (ZeRO-3's gathers and ep's transfers can deadlock:
+    ``parallel._check_zero3_order``)."""
     out = []
     for tp in (t for t in divisors(world) if c.tp.allows(t)):
         for pp in (p for p in divisors(world // tp) if c.pp.allows(p)):
-            if pp > 1 and (not blocks or blocks % pp or "1f1b" not in c.schedules):
+            if pp > 1 and not blocks:
                 continue
-            if pp == 1 and "none" not in c.schedules:
-                continue
-            for ep in (e for e in divisors(world // (tp * pp))
-                       if e > 1 and c.ep.allows(e) and experts % e == 0):
-                dp = world // (tp * pp * ep)
-                if not c.dp.allows(dp * ep) or batch % (dp * ep):  # the batch's groups: dp × ep
-                    continue
-                local = batch // (dp * ep)
-                micros = [1] if pp == 1 else [m for m in divisors(local) if m >= pp and c.micro.allows(m)]
-                for m in micros:
-                    for zero in _zeros([z for z in c.zero if z <= (2 if pp == 1 else 1)], dp):
-                        for rec in c.recompute:
-                            out.append(Point(tp, pp, dp, m, "none" if pp == 1 else "1f1b", 1, rec,
-                                             zero, False, ep=ep))
+            scheds = ["none"] if pp == 1 else [s for s in c.schedules if s not in ("none", "interlaced")]
+            for sched in (s for s in scheds if s in c.schedules):
+                virtuals = [v for v in range(2, blocks // pp + 1) if c.virtual.allows(v)] \
+                    if sched == "interleaved" else [1]
+                for v, ep in ((v, e) for v in virtuals for e in divisors(world // (tp * pp))
+                              if e > 1 and c.ep.allows(e) and experts % e == 0):
+                    if pp > 1 and blocks % (pp * v):
+                        continue
+                    dp = world // (tp * pp * ep)
+                    if not c.dp.allows(dp * ep) or batch % (dp * ep):  # the batch's groups: dp × ep
+                        continue
+                    local = batch // (dp * ep)
+                    micros = [1] if pp == 1 else [m for m in divisors(local) if m >= pp and c.micro.allows(m)
+                                                  and (sched != "interleaved" or m % pp == 0)]
+                    for m in micros:
+                        for zero in _zeros([z for z in c.zero if z <= (2 if pp == 1 else 1)], dp):
+                            for rec in c.recompute:
+                                out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False, ep=ep))
     return out
 
 
