@@ -358,3 +358,47 @@ def test_one_module_trains_on_three_sequence_lengths_like_one_device() -> None:
                                            msg=lambda m: f"{plan} rank {rank} {name}: {m}")
             if plan == "sp":
                 assert "5" in error and "divid" in error, error
+
+
+def _host_reads(ctx, model, batch, plans):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import torchweave
+
+    class Reads(TorchDispatchMode):
+        """Counts reads of a tensor's value to the host (``.item()``, ``float()``): on a GPU,
+        each waits for the device."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for plan in plans:
+        pm = torchweave.parallelize(copy.deepcopy(model), batch, plan=plan, groups=ctx.groups)
+        pm(*batch).backward()  # the first call compiles
+        with Reads() as reads:
+            loss = pm(*batch)
+        loss.backward()
+        out[plan] = (reads.count, loss.item())
+    return out
+
+
+@pytest.mark.dist
+def test_the_loss_is_summed_over_ranks_without_reading_it_to_the_host() -> None:
+    """``pm(*batch)`` returns the global loss from one asynchronous sum: no value is read to
+    the host in the call (on a GPU that read would stall the host until the forward ends), and
+    the value is the one device's loss."""
+    model, inputs = built("gpt-tiny")[:2]
+    plans = ["dp", "zero3", "tp"]
+    results = spawn(_host_reads, LaunchConfig(world_size=2), model, inputs, plans)
+    want = float(model(*inputs))
+    for rank in range(2):
+        for plan in plans:
+            reads, loss = results[rank][plan]
+            assert reads == 0, (plan, rank)
+            assert loss == pytest.approx(want, rel=1e-5), (plan, rank)

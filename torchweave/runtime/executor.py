@@ -214,7 +214,7 @@ class RankModule(UserLoop):
         summed = self.loss_start(total / k)
         # the terms are summed in float64; the loss is a number of the model's loss dtype, as
         # the user loop's pm(*batch) returns it (float32, or float64 for a float64 model)
-        return lambda: float(torch.tensor(summed(), dtype=dtype))
+        return lambda: float(summed().to(dtype))
 
     def set_optimizer(self, factory: OptimizerFactory) -> None:
         """Build this rank's optimizers anew with ``factory`` (ZeRO's shard and the other pieces)."""
@@ -253,21 +253,26 @@ class RankModule(UserLoop):
 
     def loss_value(self, local: float | torch.Tensor) -> float:
         """The loss on every rank: each partial term counted once, however many ranks hold it."""
-        return self.loss_start(local)()
+        return float(self.loss_start(local)())
 
-    def loss_start(self, local: float | torch.Tensor) -> Callable[[], float]:
-        """Start summing this rank's loss term over the loss group; the result waits and reads it."""
+    def loss_start(self, local: float | torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing this rank's loss term over the loss group; the result waits for the
+        sum and gives it as a float64 tensor on the device. Nothing here reads a value to the
+        host: on a GPU the wait orders the device's stream behind the sum, and the host
+        meets the value only when the caller reads it (``float``, ``.item()``)."""
         prog = self.program
+        local = (local.detach().to(self.rt.device, torch.float64) if isinstance(local, torch.Tensor)
+                 else torch.tensor(local, dtype=torch.float64, device=self.rt.device))
         if prog.loss_group is None:
-            return lambda: float(local)
+            return lambda: local
         index, count = prog.loss_partial
         buf = torch.zeros(2 * count, dtype=torch.float64, device=self.rt.device)
         buf[index], buf[count + index] = local, 1.0
         work = dist.all_reduce(buf, group=self.rt.group_cache.get(prog.loss_group), async_op=True)
 
-        def value() -> float:
+        def value() -> torch.Tensor:
             work.wait()
-            return float((buf[:count] / buf[count:]).sum())
+            return (buf[:count] / buf[count:]).sum()
         return value
 
     def grad_norm(self) -> float:

@@ -148,10 +148,11 @@ class UserLoop:
         return loss
 
     def _value(self: "RankModule", local: torch.Tensor | None) -> torch.Tensor:
-        """The global loss as a tensor: float32 (float64 for a float64 model)."""
+        """The global loss as a tensor: float32 (float64 for a float64 model). Its sum over
+        ranks is one asynchronous collective, and nothing is read to the host: on a GPU
+        the host goes on to the backward, and meets the value when the loop reads it."""
         dtype = torch.float64 if local is not None and local.dtype == torch.float64 else torch.float32
-        value = self.loss_value(float(local.detach()) if local is not None else 0.0)
-        return torch.tensor(value, dtype=dtype, device=self.rt.device)
+        return self.loss_start(local if local is not None else 0.0)().to(dtype)
 
     def train(self, mode: bool = True) -> "UserLoop":
         self.training = mode
