@@ -184,7 +184,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             for tp in sorted({p.tp for p in pts if p.split == "solved"}):
                 solve_tp(tp)
         else:  # solved as the proxies reach each degree (larger ones may not be tried)
-            proxies = _proxies(runner, graph, pts, parts, solve_tp, c, excluded, say)
+            proxies = _proxies(runner, graph, pts, parts, solve_tp, c, excluded, say, len(blocks))
         pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
         if blocks is not None and not exhaustive:
             direct = [pt for pt in pts if not estimable(pt)]  # simulated, never estimated
@@ -256,10 +256,10 @@ def _simulate_all(runner: Runner, pts: list[Point], parts: dict[int, Partition |
 
 def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Partition | None],
              solve_tp: Callable[[int], Partition | None], c: Constraints, excluded: list[str],
-             say: Callable[[str], None]) -> dict[tuple, Proxy | None]:
+             say: Callable[[str], None], n_blocks: int) -> dict[tuple, Proxy | None]:
     """One proxy per way of splitting a block, a degree at a time (its ways at once), larger
-    degrees only while they make a block faster; a degree's solved split is solved
-    (``solve_tp``, into ``parts``) when the degree is reached."""
+    degrees only while they make the model (its ``n_blocks`` blocks and the rest) faster; a
+    degree's solved split is solved (``solve_tp``, into ``parts``) when the degree is reached."""
     proxies: dict[tuple, Proxy | None] = {}
     keys = sorted({_key(p) for p in pts})
     stop = None
@@ -271,8 +271,8 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
         if stop is not None:
             proxies.update((k, None) for k in group)
             continue
-        best_block = min((x.block_s for k, x in proxies.items() if x and k[0] < tp and k[5] == 1),
-                         default=math.inf)
+        best = min((_whole(x, n_blocks) for k, x in proxies.items() if x and k[0] < tp and k[5] == 1),
+                   default=math.inf)
         for key in group:
             say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]} coshard={key[4]}"
                 + (f" ep={key[5]}" if key[5] > 1 else ""))
@@ -289,11 +289,19 @@ def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Pa
                 excluded.append(f"tp={tp}: {bad}")
                 continue
             proxies[key] = px
-            if key[1:] == (False, "none", "rule", 0, 1) and tp > 1 and px.block_s >= best_block:
-                stop = tp
-                excluded.append(f"tp > {tp}: not tried; tp={tp} is no faster per block "
-                                f"({px.block_s:.4g} s) than a smaller degree ({best_block:.4g} s)")
+        here = min((_whole(proxies[k], n_blocks) for k in group if proxies.get(k) and k[5] == 1),
+                   default=math.inf)
+        if tp > 1 and here >= best:  # no way of splitting at this degree beats a smaller one
+            stop = tp
+            excluded.append(f"tp > {tp}: not tried; no split at tp={tp} is faster over the whole "
+                            f"model ({here:.4g} s) than at a smaller degree ({best:.4g} s)")
     return proxies
+
+
+def _whole(px: Proxy, n_blocks: int) -> float:
+    """A proxy's seconds for the whole model on its devices: every block and the rest (the
+    rest may weigh more than the blocks: Swin's high-resolution early stages)."""
+    return n_blocks * px.block_s + px.rest_s
 
 
 def _key(pt: Point) -> tuple:

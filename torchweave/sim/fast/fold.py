@@ -10,7 +10,9 @@ each block's memory, which is affine in the block count
 copies need a block that reads one like itself.
 
 Blocks are found by module path: a run of nodes under ``<prefix>.<i>.`` for
-``i = 0 … L-1`` (``blocks.3.attn.q_proj``). They are *identical* when, node by
+``i = 0 … L-1`` (``blocks.3.attn.q_proj``), at any depth (``stages.2.3``), one or two
+numbered modules to a block; of several such runs, the one with the most identical
+blocks. They are *identical* when, node by
 node, target, arguments, output shapes and dtypes, and the plan's transforms
 and devices and whether it is recomputed agree, with each reference into the
 block before, within the block
@@ -30,55 +32,96 @@ import torch.utils._pytree as pytree
 from torchweave.ir.graph import Graph, Node, Ref
 from torchweave.plan.plan import Plan
 
-_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
 class Blocks:
-    """``spans[i]`` = ``(start, end)`` node indices of block ``i``."""
+    """``spans[i]`` = ``(start, end)`` node indices of block ``i``; a block is ``period``
+    consecutive numbered modules under ``prefix`` (``stages.2.0`` and ``stages.2.1``: a Swin
+    pair of a plain and a shifted window block)."""
 
     prefix: str
     spans: tuple[tuple[int, int], ...]
+    period: int = 1
 
     def __len__(self) -> int:
         return len(self.spans)
 
+    def index_of(self, path: str) -> int | None:
+        """The block a module or parameter path is in (``blocks.3.attn.w`` → 3), or None."""
+        m = re.match(re.escape(self.prefix) + r"\.(\d+)(?:\.|$)", path)
+        return int(m.group(1)) // self.period if m else None
+
+
+PERIODS = (1, 2)
+"""Numbered modules per block tried: one, or pairs that alternate (Swin's plain and
+shifted windows)."""
+
 
 def find_blocks(graph: Graph, plan: Plan, least: int = 6) -> Blocks | None:
-    """The model's identical repeated blocks under ``plan`` (at least ``least``), or None."""
+    """The model's identical repeated blocks under ``plan`` (at least ``least``), or None.
+
+    Every run of numbered modules (``<prefix>.<i>`` for ``i = 0 … L-1``, adjacent in graph
+    order, at any depth: ``blocks.3``, ``encoder.3``, ``stages.2.3``) is a candidate, its
+    modules taken one or two to a block; the candidate with the most blocks that are
+    identical wins, the first in graph order on a tie (T5: the encoder). What lies before it
+    is the prefix, after it the suffix."""
     if plan.orders:  # op-orders may differ between blocks: no block stands in for another
         return None
-    keys = []
-    for node in graph.nodes:
-        m = _NUMBERED.match(node.module or "")
-        keys.append((m.group(1), int(m.group(2))) if m else None)
-    spans: list[tuple[int, int]] = []
-    prefix = None
-    i = 0
-    while i < len(keys):
-        if keys[i] is None or (prefix is not None and keys[i][0] != prefix):
-            if spans and i < len(keys) and any(k is not None and k[0] == prefix for k in keys[i:]):
-                return None  # a block interrupted, or blocks apart
-            i += 1
-            continue
-        prefix = keys[i][0]
-        j = i
-        while j < len(keys) and keys[j] == keys[i]:
-            j += 1
-        if keys[i][1] != len(spans):
-            return None
-        spans.append((i, j))
-        i = j
-    if len(spans) < least:
-        return None
-    blocks = Blocks(prefix or "", tuple(spans))
+    best: Blocks | None = None
+    for prefix, spans in _runs(graph):
+        if plan.zero == 3 and any(part.isdigit() for part in prefix.split(".")):
+            continue  # ZeRO-3's units are keyed by the first number (lower/units.py): not these blocks
+        for period in PERIODS:
+            n = len(spans) // period
+            if n < least or (best is not None and n <= len(best)):
+                break
+            if len(spans) % period:
+                continue
+            blocks = Blocks(prefix, tuple((spans[i][0], spans[i + period - 1][1])
+                                          for i in range(0, len(spans), period)), period)
+            if _identical(graph, plan, blocks):
+                best = blocks
+                break
+    return best
+
+
+def _runs(graph: Graph) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(prefix, spans of ``<prefix>.0``, ``<prefix>.1``, …) for every prefix whose numbered
+    modules are adjacent in graph order, one run each, numbered from 0 in order; in order of
+    their first node."""
+    members: dict[str, list[tuple[int, int]]] = {}
+    for q, node in enumerate(graph.nodes):
+        parts = (node.module or "").split(".")
+        for j in range(1, len(parts)):
+            if parts[j].isdigit():
+                members.setdefault(".".join(parts[:j]), []).append((q, int(parts[j])))
+    out = []
+    for prefix, nodes in members.items():
+        if nodes[-1][0] - nodes[0][0] + 1 != len(nodes):
+            continue  # something else runs between its modules
+        spans: list[tuple[int, int]] = []
+        for q, i in nodes:
+            if spans and i == len(spans) - 1:
+                spans[-1] = (spans[-1][0], q + 1)
+            elif i == len(spans):
+                spans.append((q, q + 1))
+            else:
+                spans = []
+                break  # a module again after another, or numbered out of order
+        if spans:
+            out.append((prefix, spans))
+    return out
+
+
+def _identical(graph: Graph, plan: Plan, blocks: Blocks) -> bool:
+    """Whether ``blocks`` are the same ops on the same shapes under ``plan``, each reading the
+    one before (block 0 the prefix), and the suffix reads only the last."""
     where, users = made_in(blocks, graph), _param_block(graph, blocks)
-    sigs = [_signature(graph, plan, blocks, b, where, users) for b in range(len(spans))]
+    sigs = [_signature(graph, plan, blocks, b, where, users) for b in range(len(blocks))]
     if any(s is None for s in sigs) or any(s != sigs[1] for s in sigs[2:]):
-        return None
-    if not _compatible(sigs[0], sigs[1]):
-        return None
-    return blocks if _suffix_reads_last(graph, blocks, where) else None
+        return False
+    return _compatible(sigs[0], sigs[1]) and _suffix_reads_last(graph, blocks, where)
 
 
 def made_in(blocks: Blocks, graph: Graph) -> dict[str, tuple[int, int, int]]:

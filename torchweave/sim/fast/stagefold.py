@@ -54,7 +54,6 @@ from torchweave.lower.lower import lower
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import validate
 from torchweave.sim.explain.result import MemoryUse
-from torchweave.sim.fast.fold import _NUMBERED
 from torchweave.sim.fast.stageshape import StageShape, find_stage_shape, lift, small_models
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective
@@ -64,12 +63,6 @@ from torchweave.sim.step.build import Builder
 from torchweave.sim.step.pipelined import RankCosts, Sums, rank_costs, run_pipeline
 from torchweave.sim.step.run import memory_use, pipeline_activations, pipelined_result, zero_group
 from torchweave.sim.step.signals import grad
-
-
-def _block_index(path: str, prefix: str) -> int | None:
-    """The block a parameter path is in (``blocks.3.attn.w`` → 3), or None."""
-    m = _NUMBERED.match(path)
-    return int(m.group(2)) if m and m.group(1) == prefix else None
 
 
 def repacked(entries, per_block: dict[int, tuple[int, int]], stage_map: dict[int, int],
@@ -138,7 +131,7 @@ def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShap
             if t.stage is not None:
                 for sig in t.sets:
                     made_in.setdefault(sig, set()).add(t.stage)
-        block = {sh.local: _block_index(sh.path, shape.blocks.prefix) for sh in prog.params}
+        block = {sh.local: shape.blocks.index_of(sh.path) for sh in prog.params}
         grads[prog.rank] = [(p, grp, b, frozenset(made_in.get(grad(p), ())), block.get(p))
                             for p, grp, b in feet[prog.rank].grad_order]
     ranks = sorted(costs)
