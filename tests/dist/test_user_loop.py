@@ -365,10 +365,7 @@ def _host_reads(ctx, model, batch, plans):
 
     import torchweave
 
-    class Reads(TorchDispatchMode):
-        """Counts reads of a tensor's value to the host (``.item()``, ``float()``): on a GPU,
-        each waits for the device."""
-
+    class Reads(TorchDispatchMode):  # reads of a value to the host: on a GPU, each a sync
         def __init__(self) -> None:
             super().__init__()
             self.count = 0
@@ -390,9 +387,8 @@ def _host_reads(ctx, model, batch, plans):
 
 @pytest.mark.dist
 def test_the_loss_is_summed_over_ranks_without_reading_it_to_the_host() -> None:
-    """``pm(*batch)`` returns the global loss from one asynchronous sum: no value is read to
-    the host in the call (on a GPU that read would stall the host until the forward ends), and
-    the value is the one device's loss."""
+    """``pm(*batch)`` returns the global loss from one asynchronous sum, reading no value to the
+    host (on a GPU that read stalls the host until the forward ends); it is one device's loss."""
     model, inputs = built("gpt-tiny")[:2]
     plans = ["dp", "zero3", "tp"]
     results = spawn(_host_reads, LaunchConfig(world_size=2), model, inputs, plans)

@@ -7,12 +7,12 @@
    the solver (:mod:`torchweave.search.intra`, an ILP) picks each op's split;
    a partition equal to Megatron's rules adds nothing and is dropped.
    **Proxies**: one short simulation per way of splitting a block (tp, sp,
-   recompute, split) gives one block's and the rest's cost
+   recompute, split, coshard, ep) gives one block's and the rest's cost
    (:mod:`torchweave.search.estimate`); a split the model refuses or an op rule
-   forbids takes its points out, with the reason. Degrees are tried in
-   increasing order while they make a block faster: once a degree is no faster
-   than a smaller one, larger ones are not tried (they only add communication),
-   and the result says so.
+   forbids takes its points out, with the reason
+   (:mod:`torchweave.search.proxies`). Degrees are tried in increasing order
+   while some split of one makes the whole model faster: once none does, larger
+   ones are not tried, and the result says so.
 3. **Estimate** every point by arithmetic, drop those over the memory budget.
 4. **Re-rank** (:mod:`torchweave.search.select`): the best ``top + 3`` points (48 on
    small models, :data:`CHEAP`), the best point of each family whose estimates share
@@ -41,12 +41,13 @@ from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
-from torchweave.search.admit import admissible, op_rules
+from torchweave.search.admit import admissible
 from torchweave.search.constraints import Constraints, preset
 from torchweave.policies.expert import expert_count
-from torchweave.search.estimate import Estimate, Proxy, estimable, estimate, proxy
+from torchweave.search.estimate import Estimate, estimable, estimate
 from torchweave.search.intra import Partition, describe, solve, tp_dims
 from torchweave.search.pool import Failed, Runner, env_workers
+from torchweave.search.proxies import by_degree, proxy_key
 from torchweave.search.select import ROUNDS, corrected, families
 from torchweave.search.space import Point, points
 from torchweave.sim.hardware.cluster import Cluster
@@ -184,14 +185,14 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             for tp in sorted({p.tp for p in pts if p.split == "solved"}):
                 solve_tp(tp)
         else:  # solved as the proxies reach each degree (larger ones may not be tried)
-            proxies = _proxies(runner, graph, pts, parts, solve_tp, c, excluded, say, len(blocks))
+            proxies = by_degree(runner, graph, pts, parts, solve_tp, c, excluded, say, len(blocks))
         pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
         if blocks is not None and not exhaustive:
             direct = [pt for pt in pts if not estimable(pt)]  # simulated, never estimated
             for pt in pts:
                 if not estimable(pt):
                     continue
-                px = proxies[_key(pt)]
+                px = proxies[proxy_key(pt)]
                 if px is None:
                     continue
                 e = estimate(pt, px, cluster, len(blocks), precision=precision)
@@ -252,67 +253,6 @@ def _simulate_all(runner: Runner, pts: list[Point], parts: dict[int, Partition |
     got = runner.map(_simulate_job, [(pt, parts.get(pt.tp).dims if pt.split == "solved"
                                       else None) for pt in pts])
     return dict(zip(pts, got))
-
-
-def _proxies(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Partition | None],
-             solve_tp: Callable[[int], Partition | None], c: Constraints, excluded: list[str],
-             say: Callable[[str], None], n_blocks: int) -> dict[tuple, Proxy | None]:
-    """One proxy per way of splitting a block, a degree at a time (its ways at once), larger
-    degrees only while they make the model (its ``n_blocks`` blocks and the rest) faster; a
-    degree's solved split is solved (``solve_tp``, into ``parts``) when the degree is reached."""
-    proxies: dict[tuple, Proxy | None] = {}
-    keys = sorted({_key(p) for p in pts})
-    stop = None
-    for tp in sorted({k[0] for k in keys}):
-        group = [k for k in keys if k[0] == tp]
-        if stop is None and any(k[3] == "solved" for k in group) and solve_tp(tp) is None:
-            proxies.update((k, None) for k in group if k[3] == "solved")
-            group = [k for k in group if k[3] != "solved"]
-        if stop is not None:
-            proxies.update((k, None) for k in group)
-            continue
-        best = min((_whole(x, n_blocks) for k, x in proxies.items() if x and k[0] < tp and k[5] == 1),
-                   default=math.inf)
-        for key in group:
-            say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]} coshard={key[4]}"
-                + (f" ep={key[5]}" if key[5] > 1 else ""))
-        got = runner.map(_proxy_job, [(key, parts[tp].dims if key[3] == "solved" and parts.get(tp)
-                                       else None) for key in group])
-        for key, px in zip(group, got):
-            proxies[key] = None
-            if isinstance(px, Failed):
-                excluded.append(f"tp={tp}{' (sp)' if key[1] else ''}: "
-                                + "; ".join(f"{p.value}: {p.rule}" for p in px.problems))
-                continue
-            bad = op_rules(px.plan, graph, c.ops, tp, key[5])  # ep: the batch over ep is not tp's
-            if bad:
-                excluded.append(f"tp={tp}: {bad}")
-                continue
-            proxies[key] = px
-        here = min((_whole(proxies[k], n_blocks) for k in group if proxies.get(k) and k[5] == 1),
-                   default=math.inf)
-        if tp > 1 and here >= best:  # no way of splitting at this degree beats a smaller one
-            stop = tp
-            excluded.append(f"tp > {tp}: not tried; no split at tp={tp} is faster over the whole "
-                            f"model ({here:.4g} s) than at a smaller degree ({best:.4g} s)")
-    return proxies
-
-
-def _whole(px: Proxy, n_blocks: int) -> float:
-    """A proxy's seconds for the whole model on its devices: every block and the rest (the
-    rest may weigh more than the blocks: Swin's high-resolution early stages)."""
-    return n_blocks * px.block_s + px.rest_s
-
-
-def _key(pt: Point) -> tuple:
-    """The proxy that prices ``pt``: its way of splitting a block."""
-    return (pt.tp, pt.sp, pt.recompute, pt.split, pt.coshard, pt.ep)
-
-
-def _proxy_job(s: dict, key: tuple, dims: dict | None) -> Proxy:
-    return proxy(s["graph"], s["blocks"], s["cluster"], *key[:3], coshard=key[4], ep=key[5],
-                 dtype=s["dtype"],
-                 precision=s["precision"], dims=dims)
 
 
 def _simulate_job(s: dict, pt: Point, dims: dict | None) -> tuple[Plan, SimResult] | str:
