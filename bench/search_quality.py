@@ -134,7 +134,7 @@ def main() -> int:
         g = torchweave.capture(model, inputs)
         cluster = parse_cluster(spec)
         best: dict[str, tuple[str, float, float]] = {}
-        repeated = find_blocks(g, PlanSpec.parse("dp").build(g, 1), least=4) is not None
+        repeated = find_blocks(g, PlanSpec.parse("dp").build(g, 1), least=4, nested=False) is not None
         runs = [(p, p, False) for p in PRESETS]
         if args.grid:
             runs.insert(1, (GRID, "megatron", True))

@@ -201,6 +201,7 @@ def test_a_stack_inside_a_stage_folds_in_alternating_pairs(spec: str) -> None:
         return
     assert blocks is not None and (blocks.prefix, len(blocks), blocks.period) == ("stages.2", 6, 2)
     assert blocks.index_of("stages.2.5.attn.qkv.weight") == 2 and blocks.index_of("stages.1.0.x") is None
+    assert find_blocks(g, plan, nested=False) is None  # the search's proxies take no such blocks
     cluster = parse_cluster("4xA100-80GB-SXM@4")
     fast = simulate(g, plan, cluster, fold=True, timeline=False)
     exact = simulate(g, plan, cluster, fold=False, symmetry=False, timeline=False)

@@ -67,7 +67,7 @@ class Model:
                        True: self._coll(Collective.ALL_REDUCE, BUCKET_BYTES, list(range(world)))
                        / BUCKET_BYTES}
         base = _batch_split(graph)
-        blocks = find_blocks(graph, base, least=2)
+        blocks = find_blocks(graph, base, least=2, nested=False)
         self.rep: dict[str, str] = {n.name: n.name for n in graph.nodes}
         if blocks is not None:
             first, _ = blocks.spans[0]

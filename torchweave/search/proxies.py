@@ -1,6 +1,7 @@
 """The search's proxies (:func:`~torchweave.search.estimate.proxy`), one per way of splitting
-a block, tried a degree at a time: a larger ``tp`` only while some split of the last one
-makes the whole model faster than a smaller degree did."""
+a block, tried a degree at a time: a larger ``tp`` while Megatron's split of the last one
+makes a block faster than a smaller degree did (the solver's split is no guide: it may split
+the batch, which always scales)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from torchweave.search.space import Point
 
 def by_degree(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, Partition | None],
              solve_tp: Callable[[int], Partition | None], c: Constraints, excluded: list[str],
-             say: Callable[[str], None], n_blocks: int) -> dict[tuple, Proxy | None]:
+             say: Callable[[str], None]) -> dict[tuple, Proxy | None]:
     """One proxy per way of splitting a block, a degree at a time (its ways at once), larger
-    degrees only while they make the model (its ``n_blocks`` blocks and the rest) faster; a
+    degrees while they make a block faster; a
     degree's solved split is solved (``solve_tp``, into ``parts``) when the degree is reached."""
     proxies: dict[tuple, Proxy | None] = {}
     keys = sorted({proxy_key(p) for p in pts})
@@ -33,7 +34,7 @@ def by_degree(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, P
         if stop is not None:
             proxies.update((k, None) for k in group)
             continue
-        best = min((_whole(x, n_blocks) for k, x in proxies.items() if x and k[0] < tp and k[5] == 1),
+        best = min((x.block_s for k, x in proxies.items() if x and k[0] < tp and k[5] == 1),
                    default=math.inf)
         for key in group:
             say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]} coshard={key[4]}"
@@ -51,19 +52,11 @@ def by_degree(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, P
                 excluded.append(f"tp={tp}: {bad}")
                 continue
             proxies[key] = px
-        here = min((_whole(proxies[k], n_blocks) for k in group if proxies.get(k) and k[5] == 1),
-                   default=math.inf)
-        if tp > 1 and here >= best:  # no way of splitting at this degree beats a smaller one
-            stop = tp
-            excluded.append(f"tp > {tp}: not tried; no split at tp={tp} is faster over the whole "
-                            f"model ({here:.4g} s) than at a smaller degree ({best:.4g} s)")
+            if key[1:] == (False, "none", "rule", 0, 1) and tp > 1 and px.block_s >= best:
+                stop = tp
+                excluded.append(f"tp > {tp}: not tried; tp={tp} is no faster per block "
+                                f"({px.block_s:.4g} s) than a smaller degree ({best:.4g} s)")
     return proxies
-
-
-def _whole(px: Proxy, n_blocks: int) -> float:
-    """A proxy's seconds for the whole model on its devices: every block and the rest (the
-    rest may weigh more than the blocks: Swin's high-resolution early stages)."""
-    return n_blocks * px.block_s + px.rest_s
 
 
 def proxy_key(pt: Point) -> tuple:

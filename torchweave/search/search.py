@@ -11,8 +11,9 @@
    (:mod:`torchweave.search.estimate`); a split the model refuses or an op rule
    forbids takes its points out, with the reason
    (:mod:`torchweave.search.proxies`). Degrees are tried in increasing order
-   while some split of one makes the whole model faster: once none does, larger
-   ones are not tried, and the result says so.
+   while they make a block faster: once a degree is no faster than a smaller
+   one, larger ones are not tried (they only add communication), and the result
+   says so.
 3. **Estimate** every point by arithmetic, drop those over the memory budget.
 4. **Re-rank** (:mod:`torchweave.search.select`): the best ``top + 3`` points (48 on
    small models, :data:`CHEAP`), the best point of each family whose estimates share
@@ -161,7 +162,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     batch = _batch(graph)
     base = PlanSpec.parse("dp").build(graph, 1)
-    blocks = find_blocks(graph, base, least=4)
+    blocks = find_blocks(graph, base, least=4, nested=False)
     numbered = len({k for k in (block_of(n.module or "") for n in graph.nodes) if k})
     pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered,
                            experts=expert_count(graph) if any(c.ep.allows(e) for e in range(2, world + 1))
@@ -185,7 +186,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             for tp in sorted({p.tp for p in pts if p.split == "solved"}):
                 solve_tp(tp)
         else:  # solved as the proxies reach each degree (larger ones may not be tried)
-            proxies = by_degree(runner, graph, pts, parts, solve_tp, c, excluded, say, len(blocks))
+            proxies = by_degree(runner, graph, pts, parts, solve_tp, c, excluded, say)
         pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
         if blocks is not None and not exhaustive:
             direct = [pt for pt in pts if not estimable(pt)]  # simulated, never estimated

@@ -58,21 +58,24 @@ PERIODS = (1, 2)
 shifted windows)."""
 
 
-def find_blocks(graph: Graph, plan: Plan, least: int = 6) -> Blocks | None:
+def find_blocks(graph: Graph, plan: Plan, least: int = 6, *, nested: bool = True) -> Blocks | None:
     """The model's identical repeated blocks under ``plan`` (at least ``least``), or None.
 
     Every run of numbered modules (``<prefix>.<i>`` for ``i = 0 … L-1``, adjacent in graph
     order, at any depth: ``blocks.3``, ``encoder.3``, ``stages.2.3``) is a candidate, its
     modules taken one or two to a block; the candidate with the most blocks that are
     identical wins, the first in graph order on a tie (T5: the encoder). What lies before it
-    is the prefix, after it the suffix."""
+    is the prefix, after it the suffix. ``nested=False``: only runs at a path's first number,
+    one module a block (the search's proxies: a stack inside a stage leaves a heavy rest,
+    which its estimate does not price well)."""
     if plan.orders:  # op-orders may differ between blocks: no block stands in for another
         return None
     best: Blocks | None = None
     for prefix, spans in _runs(graph):
-        if plan.zero == 3 and any(part.isdigit() for part in prefix.split(".")):
+        deep = any(part.isdigit() for part in prefix.split("."))
+        if deep and (plan.zero == 3 or not nested):
             continue  # ZeRO-3's units are keyed by the first number (lower/units.py): not these blocks
-        for period in PERIODS:
+        for period in PERIODS if nested else (1,):
             n = len(spans) // period
             if n < least or (best is not None and n <= len(best)):
                 break
