@@ -41,7 +41,9 @@ import math
 from dataclasses import dataclass, replace
 
 from torchweave.ir.graph import Graph
+from torchweave.ops import info
 from torchweave.plan.plan import Plan
+from torchweave.policies.expert import expert_axis
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
 from torchweave.sim.hardware.cluster import Cluster
@@ -141,9 +143,6 @@ def _expert_elements(graph: Graph, blocks: Blocks, devices: int) -> int:
     first axis: :func:`~torchweave.policies.expert.expert_axis`), split over the proxy's
     ``devices`` (experts over ep, each expert's hidden width over tp, as the ep policy
     splits them)."""
-    from torchweave.ops import info
-    from torchweave.policies.expert import expert_axis
-
     start, end = blocks.spans[1]
     seen: set[str] = set()
     for node in graph.nodes[start:end]:
@@ -214,7 +213,7 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     p2p = 0.0
     if pt.pp > 1:
         hop = px.boundary_bytes * f / (max(pt.tp, 1) * pt.ep)
-        link = cluster.inter if pt.tp * pt.dp >= cluster.devices_per_node else cluster.intra
+        link = cluster.inter if pt.tp * pt.dp * pt.ep >= cluster.devices_per_node else cluster.intra
         p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
     shard = 4 * elems / (pt.dp if pt.zero >= 1 else 1)  # AdamW's fp32 words
