@@ -58,7 +58,7 @@ def keep_loss_partial(low: "Lowering") -> None:
     if node is None or node.target != "aten.div.Tensor" or len(node.args) != 2 or node.kwargs:
         return
     num_name, den_name = (getattr(a, "name", None) for a in node.args)
-    if num_name is None or den_name is None or _needs_grad(low, den_name):
+    if num_name is None or den_name is None or den_name in low.graph.grad_values():
         return  # a denominator with a gradient would get only this rank's term's share
     if coshard_key(low.plan, node.name) is not None or node.name in low.rerun:
         return
@@ -83,24 +83,6 @@ def keep_loss_partial(low: "Lowering") -> None:
         prog.instrs = drop_comms(prog.instrs, {id(step)})
     low.held[loss] = {d: Piece(p.box, held_num[d].partial) for d, p in held_loss.items()}
     low.layouts[loss] = Layout.of(shape, low.held[loss])
-
-
-def _needs_grad(low: "Lowering", value: str) -> bool:
-    """Whether a trainable parameter reaches ``value`` (inputs get no gradient)."""
-    seen: set[str] = set()
-    todo = [value]
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        val = low.graph.values[v]
-        if val.kind == "param" and val.requires_grad:
-            return True
-        node = low.producer.get(v)
-        if node is not None:
-            todo += [r.name for r in low.nodes[node].input_refs()]
-    return False
 
 
 _MAX_CONE = 8

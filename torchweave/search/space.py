@@ -103,21 +103,12 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                 continue
             if not blocks:
                 continue
-            for sched in (s for s in c.schedules if s not in ("none", "interlaced")):
-                virtuals = [v for v in range(1, blocks // pp + 1)
-                            if c.virtual.allows(v)] if sched == "interleaved" else [1]
-                for v in virtuals:
-                    if blocks % (pp * v) or (sched == "interleaved" and v < 2):
-                        continue
-                    for m in (m for m in divisors(local) if c.micro.allows(m) and m >= pp):
-                        if sched == "interleaved" and m % pp:
-                            continue
-                        for zero in _zeros([z for z in c.zero if z <= 1], dp):
-                            for rec in c.recompute:
-                                for sp, split in _kinds(tp, c):
-                                    for co in _chunks(c.coshard, local // m):
-                                        out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp,
-                                                         split, co))
+            for sched, v, m in _pipelines(pp, blocks, local, c):
+                for zero in _zeros([z for z in c.zero if z <= 1], dp):
+                    for rec in c.recompute:
+                        for sp, split in _kinds(tp, c):
+                            for co in _chunks(c.coshard, local // m):
+                                out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp, split, co))
     out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
     if experts:
         out += expert_points(world, batch, blocks, c, experts)
@@ -139,24 +130,31 @@ def expert_points(world: int, batch: int, blocks: int, c: Constraints, experts: 
         for pp in (p for p in divisors(world // tp) if c.pp.allows(p)):
             if pp > 1 and not blocks:
                 continue
-            scheds = ["none"] if pp == 1 else [s for s in c.schedules if s not in ("none", "interlaced")]
-            for sched in (s for s in scheds if s in c.schedules):
-                virtuals = [v for v in range(2, blocks // pp + 1) if c.virtual.allows(v)] \
-                    if sched == "interleaved" else [1]
-                for v, ep in ((v, e) for v in virtuals for e in divisors(world // (tp * pp))
-                              if e > 1 and c.ep.allows(e) and experts % e == 0):
-                    if pp > 1 and blocks % (pp * v):
-                        continue
-                    dp = world // (tp * pp * ep)
-                    if not c.dp.allows(dp * ep) or batch % (dp * ep):  # the batch's groups: dp × ep
-                        continue
-                    local = batch // (dp * ep)
-                    micros = [1] if pp == 1 else [m for m in divisors(local) if m >= pp and c.micro.allows(m)
-                                                  and (sched != "interleaved" or m % pp == 0)]
-                    for m in micros:
-                        for zero in _zeros([z for z in c.zero if z <= (2 if pp == 1 else 1)], dp):
-                            for rec in c.recompute:
-                                out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False, ep=ep))
+            for ep in (e for e in divisors(world // (tp * pp))
+                       if e > 1 and c.ep.allows(e) and experts % e == 0):
+                dp = world // (tp * pp * ep)
+                if not c.dp.allows(dp * ep) or batch % (dp * ep):  # the batch's groups: dp × ep
+                    continue
+                local = batch // (dp * ep)
+                shapes = ([("none", 1, 1)] if "none" in c.schedules else []) if pp == 1 \
+                    else _pipelines(pp, blocks, local, c)
+                for sched, v, m in shapes:
+                    for zero in _zeros([z for z in c.zero if z <= (2 if pp == 1 else 1)], dp):
+                        for rec in c.recompute:
+                            out.append(Point(tp, pp, dp, m, sched, v, rec, zero, False, ep=ep))
+    return out
+
+
+def _pipelines(pp: int, blocks: int, local: int, c: Constraints) -> list[tuple[str, int, int]]:
+    """(schedule, virtual, micro) of every pipeline of ``pp`` ranks over ``blocks`` blocks
+    and ``local`` samples a replica that the constraints allow (interlaced apart)."""
+    out = []
+    for sched in (s for s in c.schedules if s not in ("none", "interlaced")):
+        virtuals = [v for v in range(2, blocks // pp + 1) if c.virtual.allows(v)] \
+            if sched == "interleaved" else [1]
+        for v in (v for v in virtuals if blocks % (pp * v) == 0):
+            out += [(sched, v, m) for m in divisors(local) if c.micro.allows(m) and m >= pp
+                    and (sched != "interleaved" or m % pp == 0)]
     return out
 
 
