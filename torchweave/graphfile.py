@@ -13,8 +13,8 @@ What needs the weights (``verify``, ``train``) captures the model itself.
   nothing else is ever looked up on ``torch.ops``;
 - arguments are JSON numbers, booleans, null, short strings, lists, and the
   tagged forms ``{"ref": NAME}`` (a value of the graph), ``{"tuple": [...]}``,
-  ``{"dtype": NAME}``, ``{"device": "meta"}``, ``{"layout": NAME}``, nothing
-  else; a reference names a value the graph holds;
+  ``{"dtype": NAME}``, ``{"device": "meta"}``, ``{"layout": NAME}``,
+  ``{"memory_format": NAME}``, nothing else; a reference names a value the graph holds;
 - shapes are lists of whole numbers; dtypes and layouts are torch's own, by
   name; every key is one the format has.
 
@@ -44,6 +44,8 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
 _LAYOUTS = {"strided": torch.strided}
+_MEMORY_FORMATS = {str(f).removeprefix("torch."): f for f in (
+    torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d)}
 _DEVICES = ("meta", "cpu", "cuda")
 _GRAPH_KEYS = {"version", "model_name", "inputs", "outputs", "loss", "values", "nodes", "meta"}
 _VALUE_KEYS = {"shape", "dtype", "kind", "target", "aliases", "requires_grad", "part"}
@@ -66,6 +68,8 @@ def _arg(x: Any) -> Any:
         return {"device": x.type}
     if isinstance(x, torch.layout):
         return {"layout": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.memory_format):  # clone(memory_format=...), as transformers writes
+        return {"memory_format": str(x).removeprefix("torch.")}
     if isinstance(x, tuple):
         return {"tuple": [_arg(i) for i in x]}
     if isinstance(x, list):
@@ -76,7 +80,8 @@ def _arg(x: Any) -> Any:
         return x
     raise GraphFileError(Problem(obj="graph argument", value=type(x).__name__,
                                  rule="a graph file holds numbers, strings, dtypes, devices, "
-                                      "layouts and references", fix="report this op"))
+                                      "layouts, memory formats and references",
+                                 fix="report this op"))
 
 
 def graph_to_json(graph: Graph) -> str:
@@ -169,12 +174,15 @@ class _Reader:
                 return DTYPES[v]
             if tag == "layout" and v in _LAYOUTS:
                 return _LAYOUTS[v]
+            if tag == "memory_format" and v in _MEMORY_FORMATS:
+                return _MEMORY_FORMATS[v]
             if tag == "device" and v in _DEVICES:
                 return torch.device(v)
         self.bad(obj, x, "a number, boolean, null, short string, list, or one of {'ref': NAME}, "
                          "{'tuple': [...]}, {'dict': {...}}, {'dtype': "
                          f"{'|'.join(DTYPES)}}}, {{'device': {'|'.join(_DEVICES)}}}, "
-                         "{'layout': 'strided'}")
+                         "{'layout': 'strided'}, "
+                         f"{{'memory_format': {'|'.join(_MEMORY_FORMATS)}}}")
         return None
 
     def value(self, name: str, d: Any) -> Value | None:

@@ -36,6 +36,16 @@ def test_a_saved_graph_is_the_captured_one_and_simulates_the_same(name: str) -> 
     assert (a.step_time, a.memory) == (b.step_time, b.memory)
 
 
+def test_a_transformers_moe_graph_saves_with_its_memory_formats_and_experts_op() -> None:
+    """transformers writes ``clone(memory_format=torch.contiguous_format)``; its experts are
+    one ``torchweave.moe_experts`` op (torchweave/ops/moe.py). Both go through the file."""
+    pytest.importorskip("transformers")
+    g = captured("hf-mixtral-tiny")
+    text = graph_to_json(g)
+    assert '"memory_format"' in text and "torchweave.moe_experts" in text
+    _same(g, graph_from_json(text))
+
+
 def _tampered(change) -> str:
     data = json.loads(graph_to_json(captured("gpt-tiny")))
     change(data)
@@ -68,6 +78,8 @@ HOSTILE = {
                            "a whole number >= 0"),
     "a module path with a newline": (lambda d: _first_node(d).update(module="a\nimport os"),
                                      "short printable string"),
+    "a memory format that is not torch's": (
+        lambda d: _first_node(d).update(args=[{"memory_format": "__class__"}]), "a number, boolean"),
     "arguments nested too deep": (lambda d: _first_node(d).update(args=[[[[[[[[[[1]]]]]]]]]]),
                                   "at most 8 deep"),
 }

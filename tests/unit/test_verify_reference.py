@@ -58,3 +58,45 @@ def test_the_report_names_every_tensor_in_full() -> None:
     row = next(line for line in text.splitlines() if line.startswith(f"  grad {long}"))
     assert row.index("0.5") + len("0.5") == header.index("max rel diff") + len("max rel diff")
     assert "<-- over" in row
+
+
+class _NoFloat64(torch.nn.Module):
+    """A kernel with no float64 version (the bf16/float32-only grouped matmul)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        return (x @ self.w).sum()
+
+
+def test_a_model_with_no_float64_kernel_is_judged_in_float32_and_says_why() -> None:
+    from torchweave.verify import Case, cast_cases
+
+    model = _NoFloat64()
+    (case,) = cast_cases([Case(model, (torch.randn(2, 4),), "dp")])
+    assert case.dtype == "float32" and "does not run in float64" in case.dtype_note
+    assert next(case.model.parameters()).dtype == torch.float32
+
+
+def test_transformers_experts_run_their_float64_loop_in_the_float64_reference() -> None:
+    """transformers' MoE experts default to a grouped matmul with no float64 kernel; the
+    float64 copy runs their loop over experts instead (the same sums), so the model is
+    cast, not refused, and the user's model is left as it was."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.conftest import built
+    from torchweave.verify import Case, cast_cases
+
+    model, inputs = built("hf-mixtral-tiny")[:2]
+    impl = model.model.config._experts_implementation
+    assert impl not in (None, "eager")
+    (case,) = cast_cases([Case(model, inputs, "dp")])
+    assert case.dtype == "float64" and not case.dtype_note
+    assert case.model.model.config._experts_implementation == "eager"
+    assert model.model.config._experts_implementation == impl
+    assert torch.isfinite(case.model(*case.inputs))

@@ -20,6 +20,7 @@ from torchweave.codegen.fuse import fuse_bias
 from torchweave.codegen.recompute import RecomputeRun, recompute_runs
 from torchweave.codegen.safe import CodegenError, check, comment, doc
 from torchweave.errors import Problem
+from torchweave.ops import REGISTRY
 from torchweave.ops.custom import defining_module
 from torchweave.lower.program import Comm, Compute, Free, LocalRef, Program, Segment
 from torchweave.lower import units
@@ -62,12 +63,18 @@ from a collective or another kernel's choice of layout (T5's attention output af
 split mask), where only a copy reshapes it. ``reshape`` views whenever it can."""
 
 
+def _torch_op(fn: str) -> bool:
+    """Whether ``fn`` names a torch op (``ns.op.overload``) rather than a Python function by
+    its import path: in the ``torchweave`` namespace only the ops torchweave registers
+    (``torchweave.moe_experts.default``), beside its kernels (``torchweave.ops.kernels.…``)."""
+    return fn.count(".") >= 2 and (fn.split(".")[0] != "torchweave" or fn in REGISTRY.specs)
+
+
 def _callable(fn: str) -> str:
     if fn.startswith("aten."):
         return RESHAPING_VIEWS.get(fn, fn)
-    if fn.count(".") >= 2 and fn.split(".")[0] not in ("torchweave",):
-        ns = fn.split(".")[0]
-        return f"torch.ops.{fn}" if ns != "aten" else fn
+    if _torch_op(fn):
+        return f"torch.ops.{fn}"
     module, _, name = fn.rpartition(".")
     return f"{module.replace('.', '_')}.{name}"
 
@@ -81,7 +88,7 @@ def _imports(prog: Program) -> list[str]:
     for ins in [*prog.computes(), *(i for seg in prog.segments for i in seg.instrs
                                     if isinstance(i, Compute))]:
         fn = ins.fn
-        if fn.startswith("torchweave."):
+        if fn.startswith("torchweave.") and not _torch_op(fn):
             mods.add(fn.rpartition(".")[0])
         else:
             module = defining_module(fn)

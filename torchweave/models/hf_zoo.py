@@ -16,7 +16,7 @@ families, and what each adds:
 - ``hf-vit-tiny``: patch embedding by convolution, classification;
 - ``hf-convnext-tiny``: a convolutional network (depthwise convolutions, layer norms);
 - ``hf-mixtral-tiny``: mixture of experts, top-2 of 4, through transformers' grouped
-  matmul (its float32 custom op: verify runs these in float32);
+  matmul (captured as one ``torchweave.moe_experts`` op each, which ``ep`` splits);
 - ``hf-qwen2moe-tiny``: experts plus a gated shared expert.
 
 ``transformers`` is imported inside the factories only.

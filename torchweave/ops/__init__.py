@@ -2,6 +2,7 @@
 
 from torchweave.ops import aten as _aten  # noqa: F401 - registers the built-in ops
 from torchweave.ops import aten_data as _aten_data  # noqa: F401 - and these
+from torchweave.ops import moe as _moe  # noqa: F401 - and the experts of a mixture
 from torchweave.ops.annotate import OpInfo, UnannotatedOpWarning, annotate, call_of, info
 from torchweave.ops.bind import Bound, Split, bind
 from torchweave.ops.grammar import Annotation, parse

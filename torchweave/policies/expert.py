@@ -14,10 +14,14 @@ axes), and the combine gathers the experts' outputs back to each device's tokens
 all-gather per axis). Expert
 gradients are summed over ``dp`` only: each ``ep`` rank owns its experts.
 
-Routing that sorts tokens by expert into data-dependent groups (transformers' grouped
-matmul, whose row offsets come from a histogram) cannot split its experts this way: a
-split of the experts would split the rows at offsets known only at run time. Such
-models run ``ep`` as data parallelism, and the plan's note says so.
+transformers' experts sort the tokens by expert into groups whose row offsets come from a
+histogram; traced op by op, their experts could not split (a split would cut the rows at
+offsets known only at run time). Capture records each such experts module as one op,
+``torchweave.moe_experts`` (:mod:`torchweave.ops.moe`), whose output is a sum over its
+experts: on ``ep`` it splits the experts (each device computes only the pairs routed to
+its own, dropless), on ``dp`` the tokens; lowering gathers the tokens within each ep group
+and reduce-scatters the partial outputs back. A model with no expert op at all runs
+``ep`` as data parallelism, and the plan's note says so.
 """
 
 from __future__ import annotations
@@ -44,17 +48,20 @@ def _lead_dims(graph: Graph, node, op, *, params: bool) -> list[tuple[object, li
 
 def expert_axis(graph: Graph, node, op) -> str | None:
     """The dim of ``node`` that indexes the experts of one of its parameter inputs: the
-    weight's first axis, kept by the op and shared with its activation input, as in a
-    batched matmul over experts (not a convolution's output channels; and ops that
-    compute only: a transposed view of the experts' weights is not one)."""
+    weight's first axis, either kept by the op and shared with its activation input, as in
+    a batched matmul over experts (not a convolution's output channels), or summed over and
+    absent from the activations, as in ``torchweave.moe_experts`` (the output is a sum over
+    experts). Ops that compute only: a transposed view of the experts' weights is not one."""
     if op.flops <= 0:
         return None
     batched = {d for _, dims in _lead_dims(graph, node, op, params=False) for d in dims}
     for ref, dims in _lead_dims(graph, node, op, params=True):
         dim = dims[0] if dims and len(graph.values[ref.name].meta.shape) >= 3 else None
-        if dim is not None and dim in batched and op.bound.dim(dim).kind != "reduce" \
-                and dim in op.bound.splittable():
-            return dim
+        if dim is None or dim not in op.bound.splittable():
+            continue
+        reduce = op.bound.dim(dim).kind == "reduce"
+        if (dim in batched and not reduce) or (reduce and dim not in batched):
+            return dim  # experts kept beside their tokens' slots, or summed over (moe_experts)
     return None
 
 
@@ -105,6 +112,18 @@ def expert_tp(ctx: Context, expert: str) -> str | None:
     return None
 
 
+def _after_sum(ctx: Context):
+    """An op fed by a partial sum and no split input (the experts' summed output, reshaped
+    back to the batch's shape) splits along its output's first axis, as the batch is split,
+    so that the sum arrives as a reduce-scatter rather than an all-reduce."""
+    if any(p[0] == "S" for p in ctx.inputs) or not any(p[0] == "P" for p in ctx.inputs):
+        return DEFAULT
+    outs = ctx.op.bound.annotation.outputs
+    axes = outs[0].axes if outs and not outs[0].opaque else ()
+    dim = axes[0].dims[0].name if axes and axes[0].dims else None
+    return dim if dim is not None and ctx.can_split(dim) else DEFAULT
+
+
 def _experts(found: list[str]):
     def rule(ctx: Context):
         if ctx.axis == "tp":
@@ -112,7 +131,7 @@ def _experts(found: list[str]):
             return megatron(ctx) if dim is None else (expert_tp(ctx, dim) or DEFAULT)
         dim = expert_dim(ctx)
         if dim is None:
-            return DEFAULT
+            return _after_sum(ctx)
         if ctx.axis == "ep":
             found.append(ctx.node.name)
             return dim

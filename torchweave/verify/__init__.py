@@ -187,7 +187,7 @@ def cast_cases(cases: list[Case]) -> list[Case]:
             c, dtype = dataclasses.replace(c, dtype="float32", dtype_note=note), torch.float32
         key = (id(c.model), dtype)
         if key not in casts:
-            casts[key] = copy.deepcopy(c.model).to(dtype)  # floating parameters and buffers only
+            casts[key] = _cast_model(c.model, dtype)
         out.append(dataclasses.replace(c, model=casts[key], inputs=_cast_inputs(c.inputs, dtype)))
     return out
 
@@ -197,13 +197,28 @@ def _cast_inputs(inputs: tuple[Any, ...], dtype: torch.dtype) -> tuple[Any, ...]
                  for x in inputs)
 
 
+def _cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` with its floating parameters and buffers in ``dtype``. In float64,
+    transformers' experts modules run their loop over experts (``eager``) instead of the
+    grouped matmul, which has no float64 kernel: the same sums, so that such models are
+    judged in float64 like any other."""
+    out = copy.deepcopy(model).to(dtype)
+    if dtype == torch.float64:
+        for m in out.modules():
+            cfg = getattr(m, "config", None)
+            if hasattr(m, "_is_expert_parallel") and getattr(cfg, "_experts_implementation", None) \
+                    not in (None, "eager"):
+                cfg._experts_implementation = "eager"
+    return out
+
+
 def _float64_refusal(model: torch.nn.Module, inputs: tuple[Any, ...]) -> str:
     """Why ``model`` cannot run in float64 ('' when it can), from one forward of a float64
     copy: some kernels have no float64 version (``torch._grouped_mm`` on CPU, which
     transformers' MoE experts call), and such a model is verified in float32."""
     try:
         with torch.no_grad():
-            copy.deepcopy(model).to(torch.float64)(*_cast_inputs(inputs, torch.float64))
+            _cast_model(model, torch.float64)(*_cast_inputs(inputs, torch.float64))
     except (RuntimeError, NotImplementedError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"judged in float32: the model does not run in float64 ({first[:160]})"
