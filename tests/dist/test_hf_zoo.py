@@ -75,11 +75,12 @@ def test_moe_families_under_ep_split_their_experts_and_match(name: str) -> None:
 
 
 @pytest.mark.dist
-def test_moe_families_under_ep_with_dp_and_a_pipeline_match_at_4_ranks() -> None:
-    """ep=2 × dp=2, and ep inside the stages of a 1F1B pipeline, on both MoE families."""
+def test_moe_families_under_ep_with_dp_tp_and_a_pipeline_match_at_4_ranks() -> None:
+    """ep=2 × dp=2, ep=2 × tp=2 (the experts split over both), and ep inside the stages of
+    a 1F1B pipeline, on both MoE families."""
     pytest.importorskip("transformers")
     cases = [Case(*built(name)[:2], plan, steps=2, name=f"{name}/{plan}")
-             for name in MOE for plan in ("ep:ep=2", "1f1b:ep=2,pp=2,micro=2")]
+             for name in MOE for plan in ("ep:ep=2", "ep:ep=2,tp=2", "1f1b:ep=2,pp=2,micro=2")]
     for report in verify_many(cases, world_size=4):
         assert report.ok, str(report)
         assert report.comm.get("reduce_scatter/fwd", 0) >= 2, report.comm

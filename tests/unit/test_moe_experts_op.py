@@ -109,6 +109,10 @@ def test_capture_records_each_experts_module_as_one_op_and_ep_splits_it() -> Non
         # data parallelism keeps each rank's tokens through the experts
         dp = resolve("dp", graph, 2)
         assert all(tr.dim == "t" for n in ops for tr in dp.transforms(n.name))
+        # tensor parallelism (and ep with tp) shares the experts out instead of repeating them
+        for spec, world in (("tp", 2), ("sp", 2), ("ep:ep=2,tp=2", 4)):
+            plan = resolve(spec, graph, world)
+            assert {tr.dim for n in ops for tr in plan.transforms(n.name)} == {"e"}, spec
 
 
 def test_only_experts_the_op_computes_exactly_are_replaced() -> None:

@@ -128,6 +128,8 @@ def _experts(found: list[str]):
     def rule(ctx: Context):
         if ctx.axis == "tp":
             dim = expert_dim(ctx)
+            if dim is not None and ctx.op.bound.dim(dim).kind == "reduce":
+                return dim  # an experts op whose widths stay whole: its experts split on tp too
             return megatron(ctx) if dim is None else (expert_tp(ctx, dim) or DEFAULT)
         dim = expert_dim(ctx)
         if dim is None:

@@ -1,12 +1,15 @@
 """Megatron-style tensor parallelism (and sequence parallelism) as split rules.
 
-Only three decisions are made by hand; propagation makes the rest:
+Only four decisions are made by hand; propagation makes the rest:
 
 - a linear layer whose input is sharded on its contraction dim is row-parallel
   (split ``k``: partial outputs, summed where a later op needs them whole);
 - any other linear layer is column-parallel (split ``n``), so attention heads
   and MLP hidden units shard, and the ops between follow;
-- an embedding of the model's input tokens is vocabulary-parallel (split ``v``).
+- an embedding of the model's input tokens is vocabulary-parallel (split ``v``);
+- a mixture's experts op (``torchweave.moe_experts``: transformers' experts) splits its
+  experts (``e``): each device computes the routed pairs of its share of them, and the
+  partial outputs are summed as a row-parallel layer's are.
 
 ``sp`` adds one rule: an op that would run replicated over the tensor-parallel
 group and has a sequence axis (axis 1 of a ``[batch, seq, …]`` output) is split
@@ -34,6 +37,8 @@ def megatron(ctx: Context):
         return "n" if ctx.can_split("n") else None
     if ctx.node.target == "aten.embedding.default" and ctx.can_split("v") and _reads_tokens(ctx):
         return "v"
+    if ctx.node.target == "torchweave.moe_experts.default" and ctx.can_split("e"):
+        return "e"
     return DEFAULT
 
 
