@@ -8,7 +8,8 @@ import torch
 
 from torchweave.errors import TorchweaveError
 from torchweave.runtime.executor import StepConfig
-from torchweave.runtime.gradsync import GradSync, bucket_caps
+from torchweave.lower.buckets import bucket_caps
+from torchweave.runtime.gradsync import GradSync
 from torchweave.train.config import ParallelConfig
 
 

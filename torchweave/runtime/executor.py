@@ -15,7 +15,8 @@ from torchweave.lower.units import read_paths
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.lower.program import ParamSlot, Program
 from torchweave.runtime import train_state
-from torchweave.runtime.gradsync import GradSync, bucket_caps
+from torchweave.lower.buckets import bucket_caps
+from torchweave.runtime.gradsync import GradSync
 from torchweave.runtime.regather import forward_hooks
 from torchweave.runtime.user import UserLoop
 from torchweave.runtime.groups import GroupCache

@@ -11,7 +11,8 @@ Each bucket owns one flat buffer for the whole run. When its sum starts, each
 gradient is copied into its place there and the parameter's ``.grad`` becomes
 that place (a view), so the sum lands in the gradients with no copy back; a
 gradient that already is its view (not set to None since) is not copied at
-all. By default the first bucket of each group is small (``FIRST_BUCKET_BYTES``),
+all. By default the first bucket of each group is small (``FIRST_BUCKET_BYTES`` of
+:mod:`torchweave.lower.buckets`),
 so the first sum starts early in backward; a bucket size the user gives applies to
 every bucket. Both as DDP (its ``bucket_cap_mb`` left out, or given).
 
@@ -30,20 +31,6 @@ import torch.distributed as dist
 
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.groups import GroupCache
-
-
-FIRST_BUCKET_BYTES = 2**20
-"""The first bucket of a group (the last gradients backward produces), by default: 1 MiB,
-as DDP's when its ``bucket_cap_mb`` is left out."""
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""The other buckets, by default: 25 MiB, as DDP's."""
-
-
-def bucket_caps(bucket_mb: float | None) -> tuple[int, int]:
-    """(first bucket, other buckets) in bytes: DDP's defaults, or ``bucket_mb`` for all."""
-    if bucket_mb is None:
-        return FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES
-    return int(bucket_mb * 2**20), int(bucket_mb * 2**20)
 
 
 @dataclass

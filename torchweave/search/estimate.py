@@ -47,7 +47,8 @@ from torchweave.policies.expert import expert_axis
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.collective_cost import BUCKET_BYTES, Collective, collective_time
+from torchweave.lower.buckets import BUCKET_BYTES
+from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.fast.fold import Blocks, cut
 from torchweave.sim.hardware.memory import model_state_memory

@@ -24,7 +24,8 @@ from torchweave.plan.propagate import propagate
 from torchweave.policies.data import batch_inputs
 from torchweave.search.constraints import OpRule
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.collective_cost import BUCKET_BYTES, Collective, collective_time
+from torchweave.lower.buckets import BUCKET_BYTES
+from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel, dtype_of, op_time
 from torchweave.sim.fast.fold import find_blocks
 from torchweave.sim.hardware.memory import model_state_memory

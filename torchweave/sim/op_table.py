@@ -16,7 +16,7 @@ from torchweave.plan.plan import Plan
 from torchweave.sim.explain.result import SimResult
 from torchweave.sim.fast.symmetry import lower_programs
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.collective_cost import BUCKET_BYTES
+from torchweave.lower.buckets import BUCKET_BYTES
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.simulate import simulate
 from torchweave.sim.step.build import Builder

@@ -30,7 +30,7 @@ from torchweave.sim.fast.folded import simulate_folded
 from torchweave.sim.fast.stagefold import find_stage_shape, simulate_stagefold
 from torchweave.sim.fast.symmetry import SYMMETRY_RANKS, lower_programs
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.hardware.collective_cost import BUCKET_BYTES
+from torchweave.lower.buckets import BUCKET_BYTES
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.hardware.profile import OpProfiles
 from torchweave.sim.step.build import Builder

@@ -42,8 +42,6 @@ from torchweave.lower import steps
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.devices import Link
 
-BUCKET_BYTES = 25 * 2**20
-"""Gradients are summed in buckets of this many bytes (as DDP does), after backward fills each."""
 
 
 class Collective(enum.Enum):
