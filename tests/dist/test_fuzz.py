@@ -27,6 +27,21 @@ def test_drawn_plans_are_rejected_before_launch_or_match_one_device(tmp_path, re
 
 
 @pytest.mark.dist
+def test_drawn_plans_on_transformers_moe_models_match_one_device(tmp_path) -> None:
+    """transformers' Mixtral and Qwen2-MoE, whose experts are one ``torchweave.moe_experts``
+    op each: random splits (the experts' too), pipelines, co-shard, ZeRO, in float64 and
+    bf16."""
+    pytest.importorskip("transformers")
+    draws = [draw(seed, models=("hf-mixtral-tiny", "hf-qwen2moe-tiny"), world_sizes=(2, 4))
+             for seed in range(12)]
+    outcomes = run(draws, out_dir=tmp_path)
+    failed = [f"seed {o.draw.seed} ({o.draw.model}, {o.draw.plan}): {o.detail}"
+              for o in outcomes if o.status == "failed"]
+    assert not failed, "\n\n".join(failed)
+    assert sum(o.status == "verified" for o in outcomes) >= 9
+
+
+@pytest.mark.dist
 def test_the_fuzzers_findings_stay_fixed(tmp_path) -> None:
     """Each file in fuzz_regressions/ is a case the fuzzer once failed (named for the bug);
     each must now verify, or, where its ``expect`` says so, be rejected before launch."""

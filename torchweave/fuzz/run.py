@@ -30,7 +30,7 @@ from torchweave.fuzz.draw import BATCH, Draw, build_plan
 from torchweave.parallel import Compiled, compile_plan
 from torchweave.runtime.executor import StepConfig
 from torchweave.runtime.launch import LaunchConfig, RankFailedError
-from torchweave.verify import Case, Report, run_compiled
+from torchweave.verify import Case, Report, cast_model, run_compiled
 
 Status = Literal["rejected", "verified", "failed"]
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -72,7 +72,7 @@ def example(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, tuple[t
                                   else x + 0.5 * torch.randn(x.shape, generator=g)])
                        for x in inputs)
     to = getattr(torch, dtype)
-    return model.to(to), tuple((x.to(to) if x.is_floating_point() else x)[:BATCH] for x in inputs)
+    return cast_model(model, to), tuple((x.to(to) if x.is_floating_point() else x)[:BATCH] for x in inputs)
 
 
 def case_of(d: Draw, plan: Any = None) -> Case:

@@ -187,7 +187,7 @@ def cast_cases(cases: list[Case]) -> list[Case]:
             c, dtype = dataclasses.replace(c, dtype="float32", dtype_note=note), torch.float32
         key = (id(c.model), dtype)
         if key not in casts:
-            casts[key] = _cast_model(c.model, dtype)
+            casts[key] = cast_model(c.model, dtype)
         out.append(dataclasses.replace(c, model=casts[key], inputs=_cast_inputs(c.inputs, dtype)))
     return out
 
@@ -197,7 +197,7 @@ def _cast_inputs(inputs: tuple[Any, ...], dtype: torch.dtype) -> tuple[Any, ...]
                  for x in inputs)
 
 
-def _cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of ``model`` with its floating parameters and buffers in ``dtype``. In float64,
     transformers' experts modules run their loop over experts (``eager``) instead of the
     grouped matmul, which has no float64 kernel: the same sums, so that such models are
@@ -218,7 +218,7 @@ def _float64_refusal(model: torch.nn.Module, inputs: tuple[Any, ...]) -> str:
     transformers' MoE experts call), and such a model is verified in float32."""
     try:
         with torch.no_grad():
-            _cast_model(model, torch.float64)(*_cast_inputs(inputs, torch.float64))
+            cast_model(model, torch.float64)(*_cast_inputs(inputs, torch.float64))
     except (RuntimeError, NotImplementedError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"judged in float32: the model does not run in float64 ({first[:160]})"
@@ -389,5 +389,5 @@ def _recycle_of(comp: Compiled) -> tuple[int, dict[int, str]] | None:
 
 
 
-__all__ = ["BF16_NOISE_FACTOR", "BF16_TOLERANCE", "Case", "Report", "TOLERANCES", "cast_cases", "clip_exact",
+__all__ = ["BF16_NOISE_FACTOR", "BF16_TOLERANCE", "Case", "Report", "TOLERANCES", "cast_cases", "cast_model", "clip_exact",
            "compare", "compare_params", "recycled_forward", "run_compiled", "verify", "verify_many"]
