@@ -314,6 +314,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--readme-path", type=Path, default=README,
                     help="the README that --readme writes (default bench/README.md)")
     ap.add_argument("--timeout", type=float, default=120.0, help="collective time-out, s")
+    ap.add_argument("--section", default="peers",
+                    help="the bench/README.md section --readme writes (default peers; e.g. "
+                         "peers-8 for a run of 8 ranks on its own)")
     args = ap.parse_args(argv)
     args.worlds = args.worlds or ([2] if args.quick else [2, 4, 8])
     args.launches = args.launches or (1 if args.quick else 3)
@@ -351,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         command = "python bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
         head = (f"torch {torch.__version__}, {os.cpu_count()} CPU cores; {args.launches} "
                 f"launch(es) per row, {args.steps} timed steps per side per launch.\n\n")
-        write_section("peers", command.strip(), head + "\n".join(HEADER + rows) + "\n\n"
+        write_section(args.section, command.strip(), head + "\n".join(HEADER + rows) + "\n\n"
                       + summary + "\n", path=args.readme_path)
-        print(f"wrote the peers section of {args.readme_path}", flush=True)
+        print(f"wrote the {args.section} section of {args.readme_path}", flush=True)
     return 0
 
 
