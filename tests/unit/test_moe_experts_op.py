@@ -122,15 +122,35 @@ def test_only_experts_the_op_computes_exactly_are_replaced() -> None:
     model = built("hf-mixtral-tiny")[0]
     module = model.model.model.layers[0].mlp.experts
     assert recognized(module) == "silu"
+    from transformers.activations import ACT2FN
+
     for attr, value in (("has_bias", True), ("has_post_expert_norm", True),
                         ("_is_expert_parallel", True), ("is_concatenated", False),
-                        ("act_fn", torch.nn.Tanh())):
+                        ("act_fn", torch.nn.Tanh()),  # unknown
+                        ("act_fn", torch.nn.ReLU6()), ("act_fn", ACT2FN["gelu_10"])):  # clip far out
         old = getattr(module, attr)
         setattr(module, attr, value)
         try:
             assert recognized(module) is None, attr
         finally:
             setattr(module, attr, old)
+    module.forward = lambda *a: a[0]  # a forward of the instance's own
+    try:
+        assert recognized(module) is None
+    finally:
+        del module.forward
+    impl = module.config._experts_implementation
+    module.config._experts_implementation = "someone_elses_kernel"
+    try:
+        assert recognized(module) is None
+    finally:
+        module.config._experts_implementation = impl
+    own_forward = type("OwnForward", (type(module),), {"forward": lambda self, *a: a[0]})
+    module.__class__, cls = own_forward, type(module)
+    try:
+        assert recognized(module) is None
+    finally:
+        module.__class__ = cls
     own_gate = type("OwnGate", (type(module),), {"_apply_gate": lambda self, x: x})
     module.__class__, cls = own_gate, type(module)
     try:
@@ -155,3 +175,20 @@ def test_simulated_ep_holds_a_share_of_the_experts() -> None:
                        if v.kind == "param" and len(v.meta.shape) == 3)
     saved = got["dp"].memory[0].params - got["ep"].memory[0].params
     assert saved == pytest.approx(expert_bytes / 2, rel=0.01)
+
+
+def test_a_piece_whose_experts_get_no_pair_still_gives_every_input_a_gradient() -> None:
+    """Under ``ep`` a rank whose experts no token chose still takes part in the backward's
+    collectives: its piece's output depends on every input (with zero gradients), so autograd
+    reaches the gathers' backward on every rank. The whole op with no tokens, likewise."""
+    hidden, index, weights, gate_up, down = (t.requires_grad_(t.is_floating_point())
+                                             for t in _routed())
+    index = index % 2  # every pair to experts 0 and 1: the piece holding 2 and 3 gets none
+    out = experts(hidden, index, weights, gate_up[2:], down[2:], "silu", False, e0=2)
+    assert out.abs().max() == 0 and out.requires_grad
+    grads = torch.autograd.grad(out.sum(), [hidden, weights, gate_up, down])
+    assert all(g is not None and g.abs().max() == 0 for g in grads)
+    none = torch.ops.torchweave.moe_experts(hidden[:0], index[:0], weights[:0], gate_up, down,
+                                            "silu", False)
+    grads = torch.autograd.grad(none.sum(), [gate_up, down])
+    assert all(g is not None for g in grads)

@@ -175,6 +175,24 @@ def test_user_op_order_constraints_reorder_a_schedule() -> None:
         with_schedule(plan, plan.pipeline.schedule, orders=[(a("0F0"), a("1F0"))])
 
 
+def test_interlaced_encoder_decoder_runs_its_decoder_embedding_with_the_others() -> None:
+    """T5's decoder embedding sits between its two stacks in graph order but reads only the
+    target tokens and the shared vocabulary: it runs in the first shared stage, on every
+    device, so the shared weight never crosses stage groups (tests/dist/test_pipeline.py
+    runs the plan against one device)."""
+    from torchweave.plan.stage_plan import ALL
+
+    graph = captured("t5-tiny")
+    plan = resolve("interlaced", graph, 2)
+    validate(plan, graph)
+    pipe = plan.pipeline
+    assert pipe.stage_rank[0] == ALL
+    shared = [n.name for n in graph.nodes if n.module == "shared"]
+    assert len(shared) >= 2 and all(pipe.stage_of[n] in (0, len(pipe.stage_rank) - 1) for n in shared)
+    assert all(sorted(plan.assignment[n]) == [0, 1] for n in shared)
+    lower(graph, plan)  # before: "p_shared_weight: AllGather across stage groups"
+
+
 def test_interlaced_plan_shares_embedding_and_head_across_all_devices() -> None:
     from torchweave.plan.interlaced import check_shared
     from torchweave.plan.stage_plan import ALL

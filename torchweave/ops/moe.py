@@ -7,7 +7,8 @@ region cannot split its experts: a split of the experts would split the rows at 
 known only at run time, so ``ep`` ran such models as data parallelism and every rank ran
 every expert on the whole batch.
 
-Capture (:mod:`torchweave.capture.experts`) records such a module as this one op instead.
+Capture records such a module as this one op instead (:func:`experts_as_one_op`, which
+:func:`torchweave.capture` opens).
 Its meaning is the experts' own::
 
     out[t] = Σ_j  w[t, j] · down[e] (act(gate[e] x[t]) ⊙ up[e] x[t]),   e = index[t, j]
@@ -58,22 +59,18 @@ def experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
     edges = torch.arange(e0, e0 + gate_up.shape[0] + 1, device=flat.device, dtype=ids.dtype)
     bounds = torch.searchsorted(ids, edges).tolist()  # one host read: where each expert's pairs lie
     done, ys = [], []
-    for e in range(gate_up.shape[0]):
-        if bounds[e] == bounds[e + 1]:
-            continue
-        pairs = order[bounds[e]:bounds[e + 1]]
+    for e in range(gate_up.shape[0]):  # an expert with no pair runs on no rows: every input
+        pairs = order[bounds[e]:bounds[e + 1]]  # keeps a gradient, as every rank's collectives need
         w_in = gate_up[e].transpose(0, 1) if transposed else gate_up[e]
         w_out = down[e].transpose(0, 1) if transposed else down[e]
         gate, up = F.linear(hidden[pairs // k], w_in).chunk(2, dim=-1)
         ys.append(F.linear(fn(gate) * up, w_out) * weights.reshape(-1)[pairs].unsqueeze(-1))
         done.append(pairs)
-    if not ys:
-        return torch.zeros_like(hidden)
     # each pair's output in its own row (rows are unique: a deterministic copy), then each
     # token's k rows summed, in the order transformers sums them
     y = torch.cat(ys)
     per_pair = y.new_zeros(t * k, y.shape[-1]).index_copy(0, torch.cat(done), y)
-    return per_pair.view(t, k, -1).sum(dim=1).to(hidden.dtype)
+    return per_pair.view(t, k, y.shape[-1]).sum(dim=1).to(hidden.dtype)
 
 
 @torch.library.custom_op("torchweave::moe_experts", mutates_args=())
@@ -132,24 +129,27 @@ def _local(args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, index: int
     e0 = kwargs.get("e0", 0)
     if split.dim == "e":
         e0 += index * (sizes["e"] // split.parts)
-    return experts, tuple(args[:7]), {"e0": e0}
+    return experts, tuple(args[:7]), {**kwargs, "e0": e0}
 
 
 op("torchweave.moe_experts.default", _moe_experts, flops=_flops, local=_local,
-   doc="mixture-of-experts experts (torchweave.capture.experts): tokens split, experts sum")
+   doc="mixture-of-experts experts (torchweave.ops.moe): tokens split, experts sum")
 
 
 def _activation(fn: Any) -> str | None:
     """The name in :data:`ACTIVATIONS` of the function ``fn`` computes, judged on probe
     values (transformers wraps each in its own class); ``None`` when none matches."""
-    x = torch.linspace(-4.0, 4.0, 41, dtype=torch.float64)
+    # small and large values: an activation that clips (relu6, gelu_10) differs only there
+    x = torch.cat([torch.linspace(-8.0, 8.0, 65, dtype=torch.float64),
+                   torch.tensor([-1e3, -50.0, -12.5, 12.5, 50.0, 1e3], dtype=torch.float64)])
     try:
         with torch.no_grad():
             y = fn(x)
     except Exception:  # noqa: BLE001 - an activation that cannot run on a probe is not matched
         return None
     for name, ref in ACTIVATIONS.items():
-        if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, ref(x), atol=1e-12):
+        if isinstance(y, torch.Tensor) and y.shape == x.shape \
+                and torch.allclose(y, ref(x), rtol=0.0, atol=1e-12):
             return name
     return None
 
@@ -157,13 +157,17 @@ def _activation(fn: Any) -> str | None:
 def recognized(module: torch.nn.Module) -> str | None:
     """The activation of a transformers experts module that :func:`experts` computes
     exactly, else ``None``: gated (``act(gate) ⊙ up``, gate and up concatenated), no
-    biases, no norm after the experts, the default gate, weights ``[e, ·, ·]``, and not
-    already in transformers' own expert parallelism."""
-    if not hasattr(module, "_is_expert_parallel") or module._is_expert_parallel:
+    biases, no norm after the experts, the default gate, weights ``[e, ·, ·]``, the class's
+    own forward, and not already in transformers' own expert parallelism."""
+    if not hasattr(module, "_is_expert_parallel") or module._is_expert_parallel \
+            or "forward" in vars(module):  # a forward of the instance's own: not the class's maths
         return None
     if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)) \
             or getattr(module, "has_bias", True) or getattr(module, "has_post_expert_norm", True):
         return None
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if impl not in _IMPLEMENTATIONS or not _wrapped_by_transformers(type(module)):
+        return None  # someone's own implementation or forward: not known to be these maths
     gate = getattr(type(module), "_apply_gate", None)
     if gate is None or gate.__module__ != "transformers.integrations.moe" \
             or gate.__name__ != "_default_apply_gate":
@@ -172,6 +176,19 @@ def recognized(module: torch.nn.Module) -> str | None:
     if not all(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in (up, down)):
         return None
     return _activation(getattr(module, "act_fn", None))
+
+
+_IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")
+"""transformers' own experts implementations, each the same maths (the class's loop, the
+grouped matmul, the batched matmul); another (a kernel from a hub, a user's) is not known."""
+
+
+def _wrapped_by_transformers(cls: type) -> bool:
+    """Whether ``cls.forward`` is the dispatcher that transformers' ``use_experts_implementation``
+    installs (a subclass's own forward is not)."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    path = getattr(code, "co_filename", "").replace("\\", "/")
+    return path.endswith("transformers/integrations/moe.py")
 
 
 @contextlib.contextmanager

@@ -183,7 +183,10 @@ def interlaced(graph: Graph, world_size: int, *, micro: int | None = None) -> Pl
     micro = micro or 2 * world_size
     plan = tp_policy(graph, world_size)
     body = graph.nodes[inner[0]:inner[-1] + 1]
+    early = _before_blocks(graph, body, keys[inner[0]:inner[-1] + 1])
+    body = [n for n in body if n.name not in early]
     stage_of = {n.name: 0 for n in graph.nodes[:inner[0]]}
+    stage_of.update({name: 0 for name in early})
     stage_of.update({name: s + 1 for name, s in cut(graph, world_size, body).items()})
     stage_of.update({n.name: world_size + 1 for n in graph.nodes[inner[-1] + 1:]})
     for n in body:  # op-assign: the whole block op on its stage's device
@@ -195,6 +198,22 @@ def interlaced(graph: Graph, world_size: int, *, micro: int | None = None) -> Pl
                              schedule=interlaced_1f1b(world_size, micro), kind="interlaced")
     plan.notes["policy"] = f"interlaced(micro={micro})"
     return plan
+
+
+def _before_blocks(graph: Graph, body: list, keys: list) -> set[str]:
+    """Ops among ``body`` outside every numbered block that read no block's output, even
+    through other ops: an encoder-decoder's decoder embedding, between its two stacks, reads
+    only the target tokens and the shared vocabulary. The interlaced pipeline runs them in
+    its first shared stage, with the other embeddings."""
+    after: set[str] = set()  # values computed from a block's output
+    early: set[str] = set()
+    for node, key in zip(body, keys):
+        late = key or any(r.name in after for r in node.input_refs())
+        if late:
+            after.update(o for o in node.outputs if o)
+        else:
+            early.add(node.name)
+    return early
 
 
 def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int,
