@@ -192,3 +192,22 @@ def test_a_piece_whose_experts_get_no_pair_still_gives_every_input_a_gradient() 
                                             "silu", False)
     grads = torch.autograd.grad(none.sum(), [gate_up, down])
     assert all(g is not None for g in grads)
+
+
+def test_generated_code_calls_the_experts_function_split_or_whole() -> None:
+    """Split or whole (a pipeline stage on one device), a rank calls ``experts`` itself, with
+    plain autograd: the custom op's own backward, which runs the forward again, is left to
+    capture's interpreter and the registry's self-check."""
+    pytest.importorskip("transformers")
+    from torchweave.lower.lower import lower
+    from torchweave.lower.program import Compute
+    from torchweave.policies import resolve
+
+    model, inputs = built("hf-mixtral-tiny")[:2]
+    graph = torchweave.capture(model, inputs)
+    for spec, world in (("1f1b", 2), ("ep", 2), ("dp", 2)):
+        calls = [ins for prog in lower(graph, resolve(spec, graph, world))
+                 for ins in [*prog.computes(), *(i for seg in prog.segments for i in seg.instrs
+                                                 if isinstance(i, Compute))]
+                 if ins.node.startswith("moe_experts")]
+        assert calls and {c.fn for c in calls} == {"torchweave.ops.moe.experts"}, spec

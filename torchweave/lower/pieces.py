@@ -92,8 +92,8 @@ def local_call(spec: OpSpec | None, target: str, args: tuple[Any, ...], kwargs: 
             args = args[:pos] + (shape,) + args[pos + 1:]
         else:
             kwargs = {**kwargs, name: shape}
-    if spec.local is not None:
-        for dim, (k, n) in piece.chunks.items():
+    if spec.local is not None:  # a whole piece asks too (split None): an op may run its own
+        for dim, (k, n) in piece.chunks.items() or [(None, (0, 1))]:  # function whole as well
             custom = spec.local(args, kwargs, _SplitView(dim, n), k, bound.sizes)
             if custom is not None:
                 f, args, kwargs = custom
@@ -103,5 +103,5 @@ def local_call(spec: OpSpec | None, target: str, args: tuple[Any, ...], kwargs: 
 
 @dataclass(frozen=True)
 class _SplitView:
-    dim: str
+    dim: str | None
     parts: int

@@ -91,8 +91,9 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    """The forward again under autograd (generated code calls :func:`experts` itself
-    wherever the op is split, so this runs only for a whole, unsplit call)."""
+    """The forward again under autograd. Generated code calls :func:`experts` itself, split
+    or whole (``_local``), so this runs only where the op is called directly: capture's
+    single-device interpreter and the registry's self-check."""
     args = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
     with torch.enable_grad():
         out = experts(*args, *ctx.consts)
@@ -124,8 +125,8 @@ def _flops(call: Call, bound) -> float:
 
 def _local(args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, index: int,
            sizes: dict[str, int]):
-    """A piece calls :func:`experts` itself (native autograd); split on the experts, with
-    the first expert it holds."""
+    """Every piece, and the whole op, calls :func:`experts` itself (native autograd, no
+    forward run again in backward); split on the experts, with the first expert it holds."""
     e0 = kwargs.get("e0", 0)
     if split.dim == "e":
         e0 += index * (sizes["e"] // split.parts)

@@ -62,7 +62,9 @@ class OpSpec:
     """(position, keyword) of an argument holding the output shape; each piece
     gets its own local output shape there."""
     local: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]] | None = None
-    """Custom rewrite of a piece's arguments: ``local(args, kwargs, split, index)``."""
+    """Custom rewrite of a piece's call: ``local(args, kwargs, split, index, sizes)`` → (function,
+    args, kwargs), or None to leave it. Lowering asks once per split dim, and once with
+    ``split.dim`` None for a whole piece."""
     random: bool = False
     """Draws random numbers: pieces cannot be compared with the whole by value."""
     doc: str = ""
