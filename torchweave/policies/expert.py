@@ -59,8 +59,7 @@ def expert_axis(graph: Graph, node, op) -> str | None:
         dim = dims[0] if dims and len(graph.values[ref.name].meta.shape) >= 3 else None
         if dim is None or dim not in op.bound.splittable():
             continue
-        reduce = op.bound.dim(dim).kind == "reduce"
-        if (dim in batched and not reduce) or (reduce and dim not in batched):
+        if (dim in batched) != (op.bound.dim(dim).kind == "reduce"):
             return dim  # experts kept beside their tokens' slots, or summed over (moe_experts)
     return None
 
