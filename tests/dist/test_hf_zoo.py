@@ -61,14 +61,16 @@ def test_moe_families_run_in_float64_and_say_why_they_are_judged_in_float32(name
 def test_moe_families_under_ep_split_their_experts_and_match(name: str) -> None:
     """transformers' experts are captured as one op (``torchweave.moe_experts``): ``ep``
     splits the experts, each rank computing only the pairs routed to its own, and lowering
-    derives the rest: the tokens gathered within the ep group, the partial outputs
-    reduce-scattered back to each rank's tokens."""
+    derives the rest: each token sent only to the ranks that hold its experts, and their
+    terms sent back and summed (the routed exchange, lower/route.py)."""
     pytest.importorskip("transformers")
     from torchweave.policies import resolve
 
     report = reports()[(name, "ep")]
     assert report.ok, str(report)
-    assert report.comm.get("reduce_scatter/fwd", 0) == 2, report.comm  # one per MoE layer
+    # per MoE layer (two): the route's counts and index, two dispatches, one combine
+    assert report.comm.get("all_to_all/fwd", 0) == 10, report.comm
+    assert report.comm.get("reduce_scatter/fwd", 0) == 0, report.comm  # no gather and scatter
     model, inputs = built(name)[:2]
     plan = resolve("ep", torchweave.capture(model, inputs), 2)
     assert plan.notes["experts"] == "2 expert ops split over ep=2"
@@ -77,10 +79,17 @@ def test_moe_families_under_ep_split_their_experts_and_match(name: str) -> None:
 @pytest.mark.dist
 def test_moe_families_under_ep_with_dp_tp_and_a_pipeline_match_at_4_ranks() -> None:
     """ep=2 × dp=2, ep=2 × tp=2 (the experts split over both), and ep inside the stages of
-    a 1F1B pipeline, on both MoE families."""
+    a 1F1B pipeline, on both MoE families; ep=4 with full recompute and ep in a zero-bubble
+    pipeline on one."""
     pytest.importorskip("transformers")
     cases = [Case(*built(name)[:2], plan, steps=2, name=f"{name}/{plan}")
              for name in MOE for plan in ("ep:ep=2", "ep:ep=2,tp=2", "1f1b:ep=2,pp=2,micro=2")]
-    for report in verify_many(cases, world_size=4):
+    # the routed exchange run again in backward (recompute), and under a split backward
+    cases += [Case(*built(MOE[0])[:2], plan, steps=2, name=f"{MOE[0]}/{plan}")
+              for plan in ("ep:ep=4,recompute=full", "zb:ep=2,pp=2,micro=2")]
+    for case, report in zip(cases, verify_many(cases, world_size=4)):
         assert report.ok, str(report)
-        assert report.comm.get("reduce_scatter/fwd", 0) >= 2, report.comm
+        if "tp" in case.plan:  # the experts over four ranks, the tokens gathered over two
+            assert report.comm.get("reduce_scatter/fwd", 0) >= 2, report.comm
+        else:  # routed within each ep group
+            assert report.comm.get("all_to_all/fwd", 0) >= 10, report.comm

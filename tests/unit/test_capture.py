@@ -142,6 +142,31 @@ def test_wrong_dtype_names_the_argument_and_line() -> None:
     assert "gpt.py:" in msg
 
 
+def test_float_embedding_indices_are_refused_where_export_traces_them() -> None:
+    """Some torch releases' export traces an embedding of float indices (2.11); capture then
+    refuses it itself, naming the inputs and the line. Here export raises first (2.13), so
+    the check is run on a program whose indices are made float after export."""
+    from torchweave.capture.export import _check_lookups
+
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(10, 4)
+
+        def forward(self, idx):
+            return self.table(idx).sum()
+
+    model, idx = Lookup(), torch.zeros(2, 3, dtype=torch.long)
+    ep = torch.export.export(model, (idx,), strict=False)
+    _check_lookups(ep, model, ["idx"], (idx,), {})  # integer indices pass
+    node = next(n for n in ep.graph.nodes if str(n.target) == "aten.embedding.default")
+    node.args[1].meta["val"] = node.args[1].meta["val"].float()
+    with pytest.raises(CaptureError) as info:
+        _check_lookups(ep, model, ["idx"], (idx.float(),), {})
+    msg = str(info.value)
+    assert "idx=float32[2, 3]" in msg and "torch.long" in msg and "test_capture.py:" in msg
+
+
 def test_inputs_must_be_a_tuple() -> None:
     model, (idx, _) = built("gpt-tiny")[:2]
     with pytest.raises(CaptureError, match="tuple"):

@@ -52,6 +52,7 @@ def capture(
             ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
         raise _capture_failure(model, exc, arg_names, example_inputs, example_kwargs) from exc
+    _check_lookups(ep, model, arg_names, example_inputs, example_kwargs)
     inline_regions(ep)  # no_grad / autocast(enabled=False) blocks become plain ops
     if _mutates(ep):
         ep = _functional(ep, model, exc_args=(arg_names, example_inputs, example_kwargs))
@@ -139,6 +140,27 @@ def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return str(TensorMeta.of(x))
     return repr(x)
+
+
+def _check_lookups(ep: torch.export.ExportedProgram, model: torch.nn.Module,
+                   arg_names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse an embedding looked up by floating-point indices, as eager PyTorch does. Some
+    releases' export raises there itself (2.13); others trace it (2.11), and the plan would
+    then fail on the ranks, far from the cause."""
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or str(n.target) != "aten.embedding.default":
+            continue
+        val = getattr(n.args[1], "meta", {}).get("val") if len(n.args) > 1 else None
+        if isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex()):
+            loc = location_from_stack_trace(n.meta.get("stack_trace"))
+            given = dict(zip(arg_names, list(args) + list(kwargs.values())))
+            inputs = ", ".join(f"{k}={_describe(v)}" for k, v in given.items())
+            raise CaptureError(Problem(
+                obj=f"{loc} `{loc.code}`" if loc else f"{type(model).__name__}.forward",
+                value=f"embedding indices of dtype {val.dtype}",
+                rule=f"an embedding looks rows up by integer indices (example inputs: {inputs})",
+                fix="pass token ids as integers (torch.long)"),
+                header=f"cannot capture {type(model).__name__}")
 
 
 def _capture_failure(

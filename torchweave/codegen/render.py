@@ -120,6 +120,7 @@ def _comm_line(prog: Program, c: Comm) -> str:
     else:
         fn, args, kwargs = s.runtime_call()
         rest = [literal(a) for a in args] + [f"{k}={literal(v)}" for k, v in kwargs.items()]
+        rest += [f"{k}={name}" for k, name in zip(getattr(s, "EXTRA", ()), c.extra)]
         call = f"C.{fn}(rt.group_cache, {', '.join([x, _group(prog, s.groups), *rest])})"
     return f"{y} = {call}"
 

@@ -73,7 +73,8 @@ def _names(prog: Program) -> Iterator[tuple[str, str]]:
             for k in ins.kwargs:
                 yield f"keyword of node {ins.node!r}", k
         elif isinstance(ins, Comm):
-            yield "communication source", ins.src
+            for n in ins.reads():
+                yield "communication source", n
             yield "communication result", ins.dst
         elif isinstance(ins, Free):
             for n in ins.names:

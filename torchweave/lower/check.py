@@ -108,7 +108,8 @@ def _check_names(prog: Program, instrs: list, given: set[str], bad, where: str =
                 need(name, f"{ins.node} ({ins.fn})")
             defined.update(o for o in ins.outputs if o)
         elif isinstance(ins, Comm):
-            need(ins.src, f"{ins.step.NAME} of {ins.value}")
+            for name in ins.reads():
+                need(name, f"{ins.step.NAME} of {ins.value}")
             defined.add(ins.dst)
         elif isinstance(ins, Free):
             for name in ins.names:

@@ -154,6 +154,7 @@ def renamed_reads(ins: Any, rename: dict[str, str]) -> Any:
             lambda x: LocalRef(rename.get(x.name, x.name)) if isinstance(x, LocalRef) else x,
             (ins.args, ins.kwargs))
         return replace(ins, args=args, kwargs=kwargs)
-    if rename and isinstance(ins, Comm) and ins.src in rename:
-        return replace(ins, src=rename[ins.src])
+    if rename and isinstance(ins, Comm) and set(ins.reads()) & rename.keys():
+        return replace(ins, src=rename.get(ins.src, ins.src),
+                       extra=tuple(rename.get(x, x) for x in ins.extra))
     return ins

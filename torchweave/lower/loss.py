@@ -136,7 +136,7 @@ def count_from_inputs(low: "Lowering") -> None:
         out: list = []
         done: set[str] = set()
         rename: dict[str, str] = {}
-        read_on = {i.src for i in prog.instrs if isinstance(i, Comm)}
+        read_on = {n for i in prog.instrs if isinstance(i, Comm) for n in i.reads()}
         for ins in prog.instrs:
             step = ins.step if isinstance(ins, Comm) else None
             if isinstance(step, AllReduce) and id(step) not in decided:
@@ -180,8 +180,8 @@ def _unread_dropped(instrs: list, nodes: set[str], loss: str | None) -> list:
     """``instrs`` without the pieces of ``nodes`` whose outputs nothing reads any more (the
     partial counts a whole count replaced)."""
     while True:
-        read = {loss} | {n for i in instrs for n in (i.reads() if isinstance(i, Compute)
-                                                       else [i.src] if isinstance(i, Comm) else [])}
+        read = {loss} | {n for i in instrs for n in (i.reads() if isinstance(i, (Compute, Comm))
+                                                       else [])}
         keep = [i for i in instrs if not (isinstance(i, Compute) and i.node in nodes and not i.aux
                                           and not read & set(i.outputs))]
         if len(keep) == len(instrs):

@@ -23,6 +23,7 @@ from torchweave.lower.program import (
     Comm, Compute, InputSlot, LocalRef, ParamSlot, Program, RecycleLink,
 )
 from torchweave.lower.op_order import ordered_nodes
+from torchweave.lower.route import route_exchanges
 from torchweave.lower.stages import insert_frees, split_stages
 from torchweave.lower.steps import AllGather, Box, Group, devices_of, name_of
 from torchweave.ops import info
@@ -92,6 +93,7 @@ class Lowering:
         defer_replicated_sums(self)
         keep_loss_partial(self)
         count_from_inputs(self)
+        route_exchanges(self)
         self._finish()
         return self.programs
 

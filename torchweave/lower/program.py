@@ -63,6 +63,13 @@ class Comm:
     comment: str = ""
     consumer: str = ""
     """The node this communication feeds."""
+    extra: tuple[str, ...] = ()
+    """Local names the step reads besides ``src``, passed by the keywords its step names
+    (:attr:`torchweave.lower.steps.Route.EXTRA`): a routed exchange reads its route."""
+
+    def reads(self) -> list[str]:
+        """Local names this step reads."""
+        return [self.src, *self.extra]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def reads(ins: Instr) -> list[str]:
     if isinstance(ins, Compute):
         return ins.reads()
     if isinstance(ins, Comm):
-        return [ins.src]
+        return ins.reads()
     return []
 
 

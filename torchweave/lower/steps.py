@@ -12,6 +12,9 @@ ReduceScatter       P → S(a)               all-gather
 AllGather           S(a) → R               slice, or reduce-scatter (``R'``)
 Split               R → S(a)               all-gather
 AllToAll            S(a) → S(b)            all-to-all back
+Route               S(t) → routed rows     none (an index)
+Dispatch            S(t) → routed rows     routed all-to-all back, summed per row
+Combine             routed P → S(t)        routed all-to-all
 GradAllReduce       R → R'                 all-reduce
 Narrow              a local slice          zero-padded gradient
 P2P                 any → any              sends back, summed at the source
@@ -33,6 +36,7 @@ values (``"all_reduce"``, ...), strings here since the simulator sits beside thi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Union
 
@@ -68,6 +72,10 @@ class _Collective:
     def forward_bytes(self, nbytes: float, out: float) -> float:
         """Bytes the forward collective is sized by (the source's, or the result's)."""
         return nbytes
+
+    def backward_bytes(self, src: float, dst: float) -> float:
+        """Bytes the backward collective is sized by, from the source's and the result's."""
+        return src if self.BACKWARD_BYTES == "src" else dst
 
     def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
         """``(function in runtime.collectives, arguments after the group, keyword arguments)``."""
@@ -159,6 +167,70 @@ class AllToAll(_Collective):
         return self.NAME, (self.split_axis, self.cat_axis), {}
 
 
+def reach(owners: tuple[tuple[int, int], ...], top_k: int) -> float:
+    """Expected members a row reaches when its ``top_k`` distinct coordinates are drawn
+    uniformly from ``[0, E)`` and member ``m`` owns ``owners[m]``: ``Σ_m 1 − C(E−E_m, k)/C(E, k)``
+    (a balanced router; the simulator's assumption, docs/simulator.md)."""
+    e = max(b for _, b in owners)
+    k = max(1, min(top_k, e))
+    return sum(1.0 - math.comb(e - (b - a), k) / math.comb(e, k) for a, b in owners)
+
+
+@dataclass(frozen=True)
+class Route(_Collective):
+    """The routed exchange's index: each member sends each row of its index to every member
+    that owns one of the row's coordinates (``owners[m]``: member ``m``'s range along the
+    indexed dim, in group order), and receives the rows routed to it. The result carries the
+    route, which the exchange's :class:`Dispatch` and :class:`Combine` read (``EXTRA``).
+    Derived by :mod:`torchweave.lower.route` from an op's ``route`` declaration."""
+
+    groups: tuple[Group, ...]
+    owners: tuple[tuple[int, int], ...]
+    top_k: int
+    NAME: ClassVar[str] = "route"
+    FORWARD: ClassVar[str | None] = "all_to_all"
+    EXTRA: ClassVar[tuple[str, ...]] = ()
+
+    def out_bytes(self, nbytes: float, size: int) -> float:
+        return nbytes * reach(self.owners, self.top_k)
+
+    def forward_bytes(self, nbytes: float, out: float) -> float:
+        return out
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return self.NAME, (), {"owners": self.owners}
+
+
+@dataclass(frozen=True)
+class Dispatch(Route):
+    """Rows of a tensor sent as its :class:`Route` sends the index's (the ``route`` read)."""
+
+    NAME: ClassVar[str] = "dispatch"
+    BACKWARD: ClassVar[str | None] = "all_to_all"
+    EXTRA: ClassVar[tuple[str, ...]] = ("route",)
+
+    def runtime_call(self) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return self.NAME, (), {}
+
+
+@dataclass(frozen=True)
+class Combine(Dispatch):
+    """The routed rows' partial results sent back to where each row came from and summed
+    there: the :class:`Dispatch` reversed. Its source is sized as lowering sizes the op's
+    output, over every row of the group (the piece's box); what moves is the routed rows."""
+
+    NAME: ClassVar[str] = "combine"
+
+    def out_bytes(self, nbytes: float, size: int) -> float:
+        return nbytes / size
+
+    def forward_bytes(self, nbytes: float, out: float) -> float:
+        return out * reach(self.owners, self.top_k)
+
+    def backward_bytes(self, src: float, dst: float) -> float:
+        return dst * reach(self.owners, self.top_k)
+
+
 @dataclass(frozen=True)
 class GradAllReduce(_Collective):
     groups: tuple[Group, ...]
@@ -213,7 +285,8 @@ class P2P:
         return "p2p"
 
 
-Step = Union[AllReduce, ReduceScatter, AllGather, Split, AllToAll, GradAllReduce, Narrow, P2P]
+Step = Union[AllReduce, ReduceScatter, AllGather, Split, AllToAll, Route, Dispatch, Combine,
+             GradAllReduce, Narrow, P2P]
 
 
 def devices_of(step: Step) -> set[int]:

@@ -17,8 +17,11 @@ and its annotation follows from it: tokens ``t`` are independent (data paralleli
 them split), and the output is a sum over experts ``e``, so splitting the experts leaves
 partial sums, like a contraction (``e+``). Under ``ep`` each device holds ``E / ep``
 experts and computes only the (token, expert) pairs routed to them, dropless, with no
-capacity; lowering derives the rest (the tokens gathered within each ep group, the partial
-outputs reduce-scattered back). Hidden and expert widths stay whole.
+capacity. The op declares that ``index`` routes tokens to experts (``route``), so lowering
+sends each token only to the devices holding its experts and sums their results back (a
+routed exchange, :mod:`torchweave.lower.route`); where the layouts do not allow that, it
+gathers the tokens within each ep group and reduce-scatters the partial outputs. Hidden and
+expert widths stay whole.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def _local(args: tuple[Any, ...], kwargs: dict[str, Any], split: Any, index: int
     return experts, tuple(args[:7]), {**kwargs, "e0": e0}
 
 
-op("torchweave.moe_experts.default", _moe_experts, flops=_flops, local=_local,
+op("torchweave.moe_experts.default", _moe_experts, flops=_flops, local=_local, route=(1, "e"),
    doc="mixture-of-experts experts (torchweave.ops.moe): tokens split, experts sum")
 
 

@@ -65,6 +65,12 @@ class OpSpec:
     """Custom rewrite of a piece's call: ``local(args, kwargs, split, index, sizes)`` → (function,
     args, kwargs), or None to leave it. Lowering asks once per split dim, and once with
     ``split.dim`` None for a whole piece."""
+    route: tuple[int, str] | None = None
+    """``(input position, dim)``: that input holds coordinates along ``dim`` (a routing
+    index, as a mixture of experts' ``index[t, j]`` names experts ``e``), and the output is a
+    sum over ``dim`` in which a row's terms are the coordinates its index row holds. Where a
+    plan splits ``dim``, lowering may then send each row only to the pieces its index routes
+    it to (:mod:`torchweave.lower.route`) instead of gathering every row."""
     random: bool = False
     """Draws random numbers: pieces cannot be compared with the whole by value."""
     doc: str = ""

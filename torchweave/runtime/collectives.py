@@ -16,6 +16,7 @@ all_gather         concat (S -> R)        own slice, or reduce-scatter
 reduce_scatter     sum, own chunk (P->S)  all-gather
 split              own chunk (R -> S)     all-gather
 all_to_all         S(cat) -> S(split)     all-to-all S(split) -> S(cat)
+routed exchange    see runtime/routed.py
 grad_all_reduce    identity               all-reduce
 grad_scale         identity               times factor
 =================  =====================  ==============================
@@ -327,6 +328,27 @@ def all_to_all(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], s
     cat_axis = _axis(x, cat_axis, "all_to_all")
     _check_divisible(x, split_axis, g, "all_to_all")
     return _AllToAll.apply(x, g, split_axis, cat_axis)
+
+
+def route(group_cache: GroupCache, index: torch.Tensor, group: Sequence[int], *,
+          owners: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The routed exchange (:mod:`torchweave.runtime.routed`): ``index``'s rows routed."""
+    from torchweave.runtime import routed  # it builds on this module
+    return routed.route(_resolve(group_cache, group, "route"), index, owners)
+
+
+def dispatch(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int], *,
+             route: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows sent as the routed index ``route``'s were."""
+    from torchweave.runtime import routed
+    return routed.dispatch(x, route)
+
+
+def combine(group_cache: GroupCache, y: torch.Tensor, group: Sequence[int], *,
+            route: torch.Tensor) -> torch.Tensor:
+    """Routed rows' partial results ``y`` summed back into their source rows."""
+    from torchweave.runtime import routed
+    return routed.combine(y, route)
 
 
 def grad_all_reduce(group_cache: GroupCache, x: torch.Tensor, group: Sequence[int]) -> torch.Tensor:

@@ -253,7 +253,7 @@ def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:
     if coll is None:
         return Task(LOCAL, name, waits, sets)
     grp = mine(step.groups, r)
-    size = nbytes.get(ins.src if step.BACKWARD_BYTES == "src" else ins.dst, 0.0)
+    size = step.backward_bytes(nbytes.get(ins.src, 0.0), nbytes.get(ins.dst, 0.0))
     coll = Collective(coll)
     return Task(COMM, name, waits, sets, self.comm(coll, size, grp),
                 Rendezvous(Meet.BACKWARD, ins.dst, grp), self.meet_of(grp))

@@ -220,7 +220,7 @@ def _storages(ctx: StepContext, ins: Compute, refs: list[str], root: dict[str, s
 def _comm(ctx: StepContext, ins: Comm, r: int, nbytes: dict[str, float]) -> Task:
     step, b = ins.step, nbytes.get(ins.src, 0.0)
     name = f"{steps.name_of(step)} {ins.value}"
-    waits, sets = (ins.src,), (ins.dst,)
+    waits, sets = tuple(ins.reads()), (ins.dst,)
     if isinstance(step, steps.Narrow):
         box = dict(step.boxes).get(r)
         nbytes[ins.dst] = (math.prod(hi - lo for lo, hi in box) * ctx.itemsize(ins.value)
