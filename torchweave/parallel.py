@@ -26,9 +26,7 @@ from torchweave.lower.steps import P2P
 from torchweave.plan.plan import Plan
 from torchweave.plan.validate import validate
 from torchweave.policies import PlanLike, resolve
-from torchweave.policies.spec import merged_accum, micro_of
-from torchweave.search import needs_search
-from torchweave.search import resolve as resolve_auto
+from torchweave.policies.spec import merged_accum, micro_of, needs_search
 from torchweave.runtime.executor import (
     OptimizerFactory, RankModule, StepConfig, default_optimizer,
 )
@@ -144,6 +142,8 @@ def capture_and_resolve(model: torch.nn.Module, example_inputs: tuple[Any, ...],
             return graph, resolved
     graph = _capture(model, example_inputs, k, precision, graphs)
     if needs_search(plan):  # searched (or solved) once, on the whole batch
+        from torchweave.search import resolve as resolve_auto  # only a search needs it
+
         resolved = resolve_auto(plan, graph, world_size)
         plan = resolved.notes["spec"]
     else:
@@ -164,8 +164,12 @@ def capture_and_resolve(model: torch.nn.Module, example_inputs: tuple[Any, ...],
     if pipe is not None and pipe.micro_batches > 1 and k == 1:
         # a pipeline's forward sees one micro-batch: capture that shape, plan again on it
         graph = _capture(model, example_inputs, pipe.micro_batches, precision, graphs)
-        if not isinstance(plan, Plan):  # a solved split keeps the whole batch's answer
-            resolved = resolve_auto(plan, graph, world_size, like=resolved)
+        if not isinstance(plan, Plan) and needs_search(plan):
+            from torchweave.search import resolve as resolve_auto  # a solved split keeps the
+
+            resolved = resolve_auto(plan, graph, world_size, like=resolved)  # whole batch's answer
+        elif not isinstance(plan, Plan):
+            resolved = resolve(plan, graph, world_size)
     return graph, resolved
 
 

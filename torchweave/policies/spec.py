@@ -266,6 +266,18 @@ class PlanSpec:
         return plan
 
 
+def is_auto(plan: object) -> bool:
+    """Whether ``plan`` is ``auto`` (``auto:preset=NAME``): the search picks the plan."""
+    return isinstance(plan, str) and (plan.strip() == "auto" or plan.strip().startswith("auto:"))
+
+
+def needs_search(plan: object) -> bool:
+    """Whether ``plan`` needs the search layer to resolve (:func:`torchweave.search.resolve`):
+    ``auto``, or a plan string whose ops' splits the solver chooses (``split=solved``). Here,
+    not there, so that a plan that needs no search never imports it."""
+    return is_auto(plan) or (isinstance(plan, str) and "split=solved" in plan.replace(" ", ""))
+
+
 def accum_of(plan: Any) -> int:
     """The micro-batches per step a plan asks for before it is built: its ``accum``
     (a Plan, a plan string, a plan.json path); 1 for a policy function or ``auto``."""

@@ -22,22 +22,12 @@ from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies import PlanLike
 from torchweave.policies import resolve as resolve_policy
+from torchweave.policies.spec import is_auto, needs_search
 from torchweave.search.constraints import Constraints, Degrees, OpRule, load_constraints, preset, preset_names
 from torchweave.search.intra import Partition, solve, tp_dims
 from torchweave.search.search import Ranked, SearchResult, search
 from torchweave.sim.hardware.cluster import Cluster, cluster_of
 from torchweave.sim.hardware.devices import DEFAULT_GPU, Device, gpu_entry, lookup
-
-
-def is_auto(plan: object) -> bool:
-    """Whether ``plan`` is ``auto`` (``auto:preset=NAME``): the search picks the plan."""
-    return isinstance(plan, str) and (plan.strip() == "auto" or plan.strip().startswith("auto:"))
-
-
-def needs_search(plan: object) -> bool:
-    """Whether ``plan`` needs this layer to resolve: ``auto``, or a plan string whose ops'
-    splits the solver chooses (``split=solved``)."""
-    return is_auto(plan) or (isinstance(plan, str) and "split=solved" in plan.replace(" ", ""))
 
 
 def local_device() -> Device:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.policies.spec import PlanSpec
+from torchweave.policies.spec import PlanSpec, is_auto
 from torchweave.train.typed import ConfigError
 
 
@@ -198,10 +198,6 @@ def _saved_plan_dp(path: str, world_size: int) -> tuple[int, str]:
     axes = dict(saved.mesh.axes)
     dp = axes.get("dp", 1) * axes.get("ep", 1)
     return dp, f"plan {path!r}: its mesh {saved.mesh} has dp = {dp}"
-
-
-def is_auto(plan: str) -> bool:
-    return plan == "auto" or plan.startswith("auto:")
 
 
 @dataclass(frozen=True, kw_only=True)
