@@ -207,52 +207,6 @@ def _check_all_to_all(group_cache, G, i, done):
         done.append(what)
 
 
-def _terms(x, index, w, experts, lo):
-    """Σ_j w[r, j] · x[r] @ experts[index[r, j] - lo] over the pairs whose expert is held."""
-    out = x.new_zeros(x.shape)
-    for j in range(index.shape[1]):
-        e = index[:, j] - lo
-        held = (e >= 0) & (e < len(experts))
-        term = torch.einsum("rd,rdf->rf", x, experts[e.clamp(0, len(experts) - 1)])
-        out = out + torch.where(held.unsqueeze(1), term * w[:, j:j + 1], 0.0)
-    return out
-
-
-def _check_routed(group_cache, G, i, done):
-    """route, dispatch and combine against the sum of every member's terms on every row:
-    spread routing, and routing that sends every row to member 0 (the others receive none)."""
-    n, rows, k, d, per = len(G), 5, 2, 3, 2
-    owners = tuple((m * per, (m + 1) * per) for m in range(n))
-    for case in ("spread", "all to member 0"):
-        X = _rand(f"r.x{case}", G, n * rows, d)
-        Wt = _rand(f"r.w{case}", G, n * rows, k)
-        E = _rand(f"r.e{case}", G, n * per, d, d)
-        Wout = _rand(f"r.o{case}", G, n * rows, d)
-        g = torch.Generator().manual_seed(zlib.crc32(f"r.i{case}{G}".encode()))
-        high = n * per if case == "spread" else per
-        index = torch.stack([torch.randperm(high, generator=g)[:k] for _ in range(n * rows)])
-        rx, rw, re = (t.clone().requires_grad_() for t in (X, Wt, E))
-        _head(_terms(rx, index, rw, re, 0), Wout).backward()
-        mine = slice(i * rows, (i + 1) * rows)
-        x, w = X[mine].clone().requires_grad_(), Wt[mine].clone().requires_grad_()
-        experts = E[owners[i][0]:owners[i][1]].clone().requires_grad_()
-        with group_cache.counter.window() as c:
-            idx = collectives.route(group_cache, index[mine], G, owners=owners)
-            xr = collectives.dispatch(group_cache, x, G, route=idx)
-            wr = collectives.dispatch(group_cache, w, G, route=idx)
-            y = collectives.combine(group_cache, _terms(xr, idx, wr, experts, owners[i][0]), G,
-                                    route=idx)
-            _head(y, Wout[mine]).backward()
-        what = f"routed exchange ({case}) on {G}"
-        _close(y, _terms(X, index, Wt, E, 0)[mine], what + " forward")
-        _close(x.grad, rx.grad[mine], what + " grad of the rows")
-        _close(w.grad, rw.grad[mine], what + " grad of the weights")
-        _close(experts.grad, re.grad[owners[i][0]:owners[i][1]], what + " grad of the experts")
-        # route: its counts and the index; dispatch twice; combine; each float one back
-        _counts(c, {(A2A, FWD): 5, (A2A, BWD): 3}, what)
-        done.append(what)
-
-
 def _check_grad_ops(group_cache, G, i, done):
     n = len(G)
     X = _rand("f.x", G, 3, 5)
@@ -331,11 +285,10 @@ def _comm_job(ctx, partitions, abort_marker):
             _check_regather(group_cache, G, i, done)
             _check_reduce_scatter_and_split(group_cache, G, i, done)
             _check_all_to_all(group_cache, G, i, done)
-            _check_routed(group_cache, G, i, done)
             _check_grad_ops(group_cache, G, i, done)
         # all_reduce 2+4, all_gather 3+2*2, regather 6+4, reduce_scatter+split 3*3,
-        # all_to_all 5*2, routed 2*8, f 1
-        assert outer.count() == outer.count(group=G) == 6 + 7 + 10 + 9 + 10 + 16 + 1, outer
+        # all_to_all 5*2, f 1
+        assert outer.count() == outer.count(group=G) == 6 + 7 + 10 + 9 + 10 + 1, outer
     _check_exchange(group_cache, done)
     before = group_cache.counter.count()
     _check_errors(group_cache, done)
@@ -359,7 +312,7 @@ def test_collectives_match_one_process(world_size, partitions, tmp_path):
     config = LaunchConfig(world_size=world_size, timeout_s=30, threads_per_rank=1)
     results = spawn(_comm_job, config, partitions, str(marker))
     assert len(results) == world_size
-    per_group = 2 * 2 + 5 + 2 + 3 * 2 + 5 + 2 + 2
+    per_group = 2 * 2 + 5 + 2 + 3 * 2 + 5 + 2
     assert all(len(done) == per_group * len(partitions) + 2 for done in results), results[0]
     assert marker.read_text() == "died"  # a rank crashed at exit, after its result
 

@@ -3,7 +3,8 @@
 For each tensor-parallel way of splitting a block — ``(tp, sp, recompute, split)``, the
 split being Megatron's rules or the solver's partition (:mod:`~torchweave.search.intra`) — the
 event simulator runs once on a **proxy**: the model cut to 3 and to 4 of its
-identical blocks (:func:`torchweave.sim.fast.fold.cut`), planned with that split
+identical blocks (:func:`torchweave.sim.fast.fold.cut_stacks`: an encoder-decoder's two
+stacks together, a block being one layer of each), planned with that split
 alone on ``tp`` devices of the target cluster. The difference is one block: its
 forward, backward and tensor-parallel communication seconds, its activations
 and its parameters, at the whole batch; the rest (embeddings, head, loss) is
@@ -50,7 +51,7 @@ from torchweave.sim.hardware.cluster import Cluster
 from torchweave.lower.buckets import BUCKET_BYTES
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel
-from torchweave.sim.fast.fold import Blocks, cut
+from torchweave.sim.fast.fold import Blocks, cut_stacks
 from torchweave.sim.hardware.memory import model_state_memory
 from torchweave.sim.simulate import simulate
 
@@ -117,7 +118,7 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     small = sub_cluster(cluster, tp * ep)
     runs = []
     for k in (3, 4):
-        g, p = cut(graph, plan, blocks, k)
+        g, p = cut_stacks(graph, plan, blocks, k)
         runs.append((simulate(g, p, small, dtype=dtype, fold=False, timeline=False), g, p))
     (r3, _, _), (r4, g4, p4) = runs
     m3 = max(r3.memory, key=lambda m: m.peak)

@@ -52,7 +52,7 @@ from torchweave.search.proxies import by_degree, proxy_key
 from torchweave.search.select import ROUNDS, corrected, families
 from torchweave.search.space import Point, points
 from torchweave.sim.hardware.cluster import Cluster
-from torchweave.sim.fast.fold import find_blocks
+from torchweave.sim.fast.fold import find_blocks, with_twin
 from torchweave.sim.simulate import SimResult, simulate, without_cyclic_gc
 
 GiB = 2**30
@@ -162,7 +162,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     batch = _batch(graph)
     base = PlanSpec.parse("dp").build(graph, 1)
-    blocks = find_blocks(graph, base, least=4, nested=False)
+    blocks = with_twin(graph, base, find_blocks(graph, base, least=4, nested=False))
     numbered = len({k for k in (block_of(n.module or "") for n in graph.nodes) if k})
     pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered,
                            experts=expert_count(graph) if any(c.ep.allows(e) for e in range(2, world + 1))

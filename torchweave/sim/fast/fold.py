@@ -43,6 +43,9 @@ class Blocks:
     prefix: str
     spans: tuple[tuple[int, int], ...]
     period: int = 1
+    twin: str | None = None
+    """A second stack after this one with as many identical blocks (T5's decoder beside its
+    encoder), cut with it by :func:`cut_stacks` (:func:`with_twin`; the search's proxies)."""
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -259,9 +262,36 @@ def cut(graph: Graph, plan: Plan, blocks: Blocks, k: int) -> tuple[Graph, Plan]:
     return g, p
 
 
+def with_twin(graph: Graph, plan: Plan, blocks: Blocks | None) -> Blocks | None:
+    """``blocks`` with its :attr:`~Blocks.twin`, where a second stack at a path's first number
+    follows it with as many identical blocks (an encoder-decoder's decoder); else unchanged.
+    Block ``i`` of each then stands for the pair: what the two stacks cost together is affine
+    in their common depth, and only the embeddings and the head are left outside."""
+    if blocks is None or blocks.period != 1:
+        return blocks
+    for prefix, spans in _runs(graph):
+        if prefix == blocks.prefix or any(p.isdigit() for p in prefix.split(".")) \
+                or len(spans) != len(blocks) or spans[0][0] < blocks.spans[-1][1]:
+            continue
+        if _identical(graph, plan, Blocks(prefix, tuple(spans))):
+            return replace(blocks, twin=prefix)
+    return blocks
+
+
+def cut_stacks(graph: Graph, plan: Plan, blocks: Blocks, k: int) -> tuple[Graph, Plan]:
+    """:func:`cut` of ``blocks`` and, where it has one, of its twin to the same ``k``."""
+    g, p = cut(graph, plan, blocks, k)
+    if blocks.twin is None:
+        return g, p
+    spans = dict(_runs(g)).get(blocks.twin)
+    if spans is None or len(spans) != len(blocks):
+        raise ValueError(f"the stack {blocks.twin!r} is not {len(blocks)} blocks after the cut")
+    return cut(g, p, Blocks(blocks.twin, tuple(spans)), k)
+
+
 def extrapolate(x3: float, x4: float, blocks: int) -> float:
     """``x(L)`` from ``x(3)`` and ``x(4)``, affine in the number of blocks."""
     return x4 + (blocks - 4) * (x4 - x3)
 
 
-__all__ = ["Blocks", "cut", "extrapolate", "find_blocks", "made_in"]
+__all__ = ["Blocks", "cut", "cut_stacks", "extrapolate", "find_blocks", "made_in", "with_twin"]
