@@ -273,12 +273,13 @@ def cut(graph: Graph, stages: int, nodes: list | None = None) -> dict[str, int]:
     places = [i for i in range(1, len(nodes)) if keys[i] != keys[i - 1]]
     if len(places) < stages - 1:
         places = list(range(1, len(nodes)))
+    after = {q: len(places) - k - 1 for k, q in enumerate(places)}  # places after each
     cuts: list[int] = []
     for j in range(1, stages):
         target = prefix[-1] * j / stages
         lo = cuts[-1] if cuts else 0
         left = stages - 1 - j  # cuts still to place after this one
-        options = [i for i in places if i > lo and sum(1 for q in places if q > i) >= left]
+        options = [i for i in places if i > lo and after[i] >= left]
         cuts.append(min(options, key=lambda i: abs(prefix[i] - target)))
     out: dict[str, int] = {}
     stage = 0
