@@ -28,7 +28,8 @@ the gathering group), the gather and reduce-scatter stay.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from torchweave.lower.defer import renamed_reads
@@ -48,17 +49,37 @@ def route_exchanges(low: Lowering) -> None:
     """Replace gather, compute, reduce-scatter by a routed exchange wherever a node declares a
     route and every device's program has that form (see the module's text)."""
     routed = {s.name for s in REGISTRY.specs.values() if s.route is not None}
+    looked: dict[int, _Index] = {}  # each program read once; every node's edits found on it
+    edited: dict[int, list[dict[int, Comm | Compute]]] = {}
     for node in low.graph.nodes:
         if node.target not in routed:
             continue
-        found = _rewrites(low, node)
-        if found is None:
-            continue
-        for d, edits in found.items():
-            low.programs[d].instrs = _apply(low.programs[d], edits)
+        found = _rewrites(low, node, looked)
+        for d, edits in (found or {}).items():
+            edited.setdefault(d, []).append(edits)
+    for d, per_node in edited.items():
+        low.programs[d].instrs = _apply(low.programs[d], per_node)
 
 
-def _rewrites(low: Lowering, node) -> dict[int, dict[int, Comm | Compute]] | None:
+@dataclass(frozen=True)
+class _Index:
+    """Where each local name of one program is made by a Comm, and which instructions read it."""
+
+    made: dict[str, int]
+    readers: dict[str, list[int]]
+
+    @staticmethod
+    def of(prog: Program) -> _Index:
+        made = {ins.dst: i for i, ins in enumerate(prog.instrs) if isinstance(ins, Comm)}
+        readers: dict[str, list[int]] = {}
+        for i, ins in enumerate(prog.instrs):
+            for name in reads(ins):
+                readers.setdefault(name, []).append(i)
+        return _Index(made, readers)
+
+
+def _rewrites(low: Lowering, node, looked: dict[int, _Index]
+              ) -> dict[int, dict[int, Comm | Compute]] | None:
     """Device → {instruction position → new instruction} for ``node``, or None where any device's
     program is not the pattern."""
     oi = info(low.graph, node)
@@ -74,9 +95,7 @@ def _rewrites(low: Lowering, node) -> dict[int, dict[int, Comm | Compute]] | Non
     refs = node.input_refs()
     floats = {i for i in rows if low.graph.values[refs[i].name].meta.dtype.is_floating_point}
     shape = low.graph.values[refs[pos].name].meta.shape
-    top_k = 1
-    for n in shape[1:]:
-        top_k *= n
+    top_k = math.prod(shape[1:])
     size = oi.bound.sizes[dim]
     pieces: dict[int, dict] = {}
     for p in node_pieces(low.plan, node.name):
@@ -86,8 +105,10 @@ def _rewrites(low: Lowering, node) -> dict[int, dict[int, Comm | Compute]] | Non
     stage = low.plan.pipeline.stage_of if low.plan.pipeline is not None else {}
     out: dict[int, dict[int, Comm | Compute]] = {}
     for d, chunks in pieces.items():
-        edits = _device(low.programs[d], node.name, len(ann.inputs), rows, floats, pos, top_k,
-                        dim, size, chunks, pieces)
+        if d not in looked:
+            looked[d] = _Index.of(low.programs[d])
+        edits = _device(low.programs[d], looked[d], node.name, len(ann.inputs), rows, floats,
+                        pos, top_k, dim, size, chunks, pieces)
         # the route is read where it is made: a stage handover would not carry it
         if edits is None or len({stage.get(c.consumer or node.name) for c in edits.values()
                                  if isinstance(c, Comm)}) > 1:
@@ -96,11 +117,11 @@ def _rewrites(low: Lowering, node) -> dict[int, dict[int, Comm | Compute]] | Non
     return out
 
 
-def _device(prog: Program, node: str, n_inputs: int, rows: list[int], floats: set[int],
-            pos: int, top_k: int, dim: str, size: int, chunks: dict,
+def _device(prog: Program, index: _Index, node: str, n_inputs: int, rows: list[int],
+            floats: set[int], pos: int, top_k: int, dim: str, size: int, chunks: dict,
             pieces: dict[int, dict]) -> dict[int, Comm | Compute] | None:
     """The edits on one device, or None."""
-    at = {ins.dst: i for i, ins in enumerate(prog.instrs) if isinstance(ins, Comm)}
+    at, readers = index.made, index.readers
     calls = [i for i, ins in enumerate(prog.instrs)
              if isinstance(ins, Compute) and ins.node == node and not ins.aux]
     if len(calls) != 1:
@@ -109,10 +130,6 @@ def _device(prog: Program, node: str, n_inputs: int, rows: list[int], floats: se
     inputs, outputs = call.reads(), [o for o in call.outputs if o]
     if len(outputs) != 1 or len(inputs) != n_inputs:
         return None
-    readers: dict[str, list[int]] = {}
-    for i, ins in enumerate(prog.instrs):
-        for name in reads(ins):
-            readers.setdefault(name, []).append(i)
     group: Group | None = None
     gathers: dict[int, int] = {}  # input position → the instruction gathering it
     for i in rows:
@@ -177,9 +194,10 @@ def _owners(group: Group, dim: str, size: int, chunks: dict,
     return tuple(owners) if len(seen) == n and size % n == 0 else None
 
 
-def _apply(prog: Program, edits: dict[int, Comm | Compute]) -> list:
-    """``prog``'s instructions with ``edits``, the route moved before the first dispatch, and
-    each edited result named for its step (``x_all_gather5`` → ``x_dispatch5``)."""
+def _apply(prog: Program, per_node: list[dict[int, Comm | Compute]]) -> list:
+    """``prog``'s instructions with each node's edits, each node's dispatches moved just after
+    its route, and each edited result named for its step (``x_all_gather5`` → ``x_dispatch5``)."""
+    edits = {j: c for e in per_node for j, c in e.items()}
     rename = {}
     for c in edits.values():
         if not isinstance(c, Comm):
@@ -190,15 +208,17 @@ def _apply(prog: Program, edits: dict[int, Comm | Compute]) -> list:
                 rename[c.dst] = f"{head}_{c.step.NAME}{tail}"
     taken = {n for ins in prog.instrs for n in (writes(ins) + reads(ins))}
     rename = {a: b for a, b in rename.items() if b not in taken}
-    route = next(j for j, c in edits.items() if isinstance(c, Comm) and type(c.step) is Route)
-    moved = sorted(j for j, c in edits.items()
-                   if isinstance(c, Comm) and type(c.step) is Dispatch)
+    after: dict[int, list[int]] = {}  # a route's position → its node's dispatches
+    for e in per_node:
+        route = next(j for j, c in e.items() if isinstance(c, Comm) and type(c.step) is Route)
+        after[route] = sorted(j for j, c in e.items()
+                              if isinstance(c, Comm) and type(c.step) is Dispatch)
+    moved = {j for js in after.values() for j in js}
     out = []
-    for i, ins in enumerate(prog.instrs):  # each dispatch just after the route: its source is
+    for i, ins in enumerate(prog.instrs):  # each dispatch just after its route: its source is
         if i not in moved:                 # defined before its gather was, so before the route
             out.append(edits.get(i, ins))
-        if i == route:
-            out += [edits[j] for j in moved]
+        out += [edits[j] for j in after.get(i, ())]
     out = [renamed_reads(ins, rename) for ins in out]
     return [replace(ins, dst=rename.get(ins.dst, ins.dst)) if isinstance(ins, Comm) else ins
             for ins in out]
