@@ -5,7 +5,11 @@ Each side is its own launch (process start, imports, model, then torchweave's ca
 plan, lowering and codegen, or DDP's wrapping; then one step with AdamW), so the time
 includes what a user waits for. bench/peers.py races the two (its ``first`` rows).
 
-Run: python bench/first_step.py [--worlds 2 4 8] [--launches 3] [--readme]
+``--phases``: one launch per side at each world size, each rank noting when each phase
+ended (wall seconds since the launch) and the CPU seconds it had used: where the
+difference goes (rank 0 captures for every rank; the others wait for its graph).
+
+Run: python bench/first_step.py [--worlds 2 4 8] [--launches 3] [--readme] [--phases]
 """
 
 from __future__ import annotations
@@ -48,6 +52,70 @@ def rank_main(ctx, side: str) -> tuple[float, float]:
     return time.time(), value
 
 
+def phases_main(ctx, side: str, t0: float) -> list[tuple[str, float, float]]:
+    """(phase, wall seconds since the launch when it ended, this rank's CPU seconds then)."""
+    import resource
+
+    def mark(name: str) -> None:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        marks.append((name, time.time() - t0, ru.ru_utime + ru.ru_stime))
+
+    marks: list[tuple[str, float, float]] = []
+    mark("started, torch imported")
+    import torch
+    import torch.distributed as dist
+
+    from parallel import make_gpt  # bench/parallel.py
+
+    model, batch = make_gpt()
+    mark("model built")
+    if side == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        mark("DDP and AdamW built")
+        n = batch[0].shape[0] // ctx.world_size
+        loss = ddp(*[x[ctx.rank * n:(ctx.rank + 1) * n] for x in batch])
+        loss.backward()
+        opt.step()
+        dist.all_reduce(loss.detach().clone())
+    else:
+        from torchweave.parallel import StepConfig, compile_plan, default_optimizer, rank_module
+        from torchweave.parallel import shared_front
+
+        mark("torchweave imported")
+        front = shared_front(model, batch, "dp", groups=ctx.groups)
+        mark("graph and plan from rank 0")
+        compiled = compile_plan(model, batch, "dp", world_size=ctx.world_size,
+                                only_rank=ctx.rank, front=front)
+        mark("lowered, code generated")
+        pm = rank_module(compiled, ctx.groups, optimizer=default_optimizer, config=StepConfig())
+        float(pm.train_step(*batch))
+    mark("first step done")
+    return marks
+
+
+def phases(world: int) -> list[str]:
+    """Table rows: each phase's end on rank 0 and on the last other rank, and CPU seconds."""
+    import statistics as st
+
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    rows = []
+    for side in ("ddp", "tw"):
+        t0 = time.time()
+        got = spawn(phases_main, LaunchConfig(world_size=world, threads_per_rank=1,
+                                              timeout_s=300.0), side, t0)
+        for i, (name, wall0, cpu0) in enumerate(got[0]):
+            others = [marks[i] for marks in got[1:]]
+            rows.append(f"| {world} | {'torchweave dp' if side == 'tw' else 'DDP'} | {name} | "
+                        f"{wall0:.2f} | {max(m[1] for m in others):.2f} | {cpu0:.2f} | "
+                        f"{st.median(m[2] for m in others):.2f} | "
+                        f"{cpu0 + sum(m[2] for m in others):.2f} |")
+    return rows
+
+
 def launch(side: str, world: int, timeout_s: float = 300.0) -> dict[str, Any]:
     """One launch: seconds from the call to the last rank's end of step 1, and rank 0's loss."""
     from torchweave.runtime.launch import LaunchConfig, spawn
@@ -63,7 +131,24 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--launches", type=int, default=3)
     ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
+    ap.add_argument("--phases", action="store_true",
+                    help="one launch per side per world size: when each phase ended, CPU seconds")
     args = ap.parse_args()
+    if args.phases:
+        rows = ["| ranks | side | phase | ends on rank 0 (s) | ends on the last other rank (s) | "
+                "rank 0 CPU s | median other rank CPU s | CPU s, all ranks |",
+                "|---|---|---|---|---|---|---|---|"]
+        for world in args.worlds:
+            rows += phases(world)
+        print("\n".join(rows))
+        if args.readme:
+            import sys
+
+            from readme_section import write_section  # bench/readme_section.py
+
+            write_section("first-step-phases", "python bench/first_step.py " + " ".join(sys.argv[1:]),
+                          "\n".join(rows) + "\n")
+        return
     rows = ["| ranks | torchweave dp s | DDP s | difference (median of paired launches) | range | "
             "target | met |", "|---|---|---|---|---|---|---|"]
     for world in args.worlds:

@@ -104,6 +104,7 @@ CASES = {  # name: (builder, cluster)
     "GPT-3 175B (H100)": (lambda: gpt(96, 12288, 96, 8192), "16384xH100-80GB-SXM@8"),
     "Llama-2-70B-like": (lambda: llama70b(256), "64xA100-80GB-SXM@8"),
     "T5 250k vocab": (lambda: t5_250k(32), "8xA100-80GB-SXM@8"),
+    "T5 250k vocab (RTX 3090)": (lambda: t5_250k(64), "32xRTX3090@4"),
     "Swin-B 1536px": (lambda: swin_hires(32), "8xA100-80GB-SXM@8"),
     "Mixtral-like": (lambda: mixtral(128), "64xA100-80GB-SXM@8"),
 }

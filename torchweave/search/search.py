@@ -53,6 +53,7 @@ from torchweave.search.select import ROUNDS, corrected, families
 from torchweave.search.space import Point, points
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.fast.fold import find_blocks, with_twin
+from torchweave.search.timed import Timing
 from torchweave.sim.simulate import SimResult, simulate, without_cyclic_gc
 
 GiB = 2**30
@@ -190,13 +191,20 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
         pts = [p for p in pts if p.split != "solved" or parts.get(p.tp) is not None]
         if blocks is not None and not exhaustive:
             direct = [pt for pt in pts if not estimable(pt)]  # simulated, never estimated
+            pipelined = [(pt, proxies[proxy_key(pt)]) for pt in pts if estimable(pt) and pt.pp > 1
+                         and proxies[proxy_key(pt)] is not None]
+            if pipelined:
+                say(f"run {len({(p.schedule, p.pp, p.virtual, p.micro) for p, _ in pipelined})} "
+                    f"pipeline schedules on their stages' costs")
+            timed = Timing(graph, blocks, cluster, dtype, batch).price(pipelined, len(blocks))
             for pt in pts:
                 if not estimable(pt):
                     continue
                 px = proxies[proxy_key(pt)]
                 if px is None:
                     continue
-                e = estimate(pt, px, cluster, len(blocks), precision=precision)
+                e = estimate(pt, px, cluster, len(blocks), precision=precision,
+                             schedule_s=timed.get(pt))
                 if e.memory > budget:
                     over.append((pt.spec, (e.memory - budget) / GiB))
                 else:

@@ -1,0 +1,83 @@
+"""Pipelined points priced by their own schedule on per-stage costs from the real cut
+(``search/timed.py``): the same timing as the simulator's schedule engine, and an uneven
+encoder-decoder cut priced within a few percent of the simulator where the arithmetic
+is far off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torchweave
+from torchweave.models.t5 import T5, T5Config
+from torchweave.plan.schedules.builtin import builtin
+from torchweave.policies.spec import PlanSpec
+from torchweave.search.estimate import estimate, proxy
+from torchweave.search.space import Point
+from torchweave.search.timed import Timing, compile_schedule, makespans
+from torchweave.sim import parse_cluster
+from torchweave.sim.fast.fold import find_blocks, with_twin
+from torchweave.sim.simulate import simulate
+from torchweave.sim.step.schedule import StageCost, simulate_schedule
+
+CASES = [("gpipe", 3, 1, 5), ("1f1b", 4, 1, 6), ("interleaved", 2, 3, 4),
+         ("interleaved", 4, 2, 8), ("zb", 4, 1, 7)]
+
+
+@pytest.mark.parametrize("kind,pp,virtual,micro", CASES)
+def test_the_vectorised_schedule_times_as_the_simulators_engine(kind, pp, virtual, micro):
+    rng = np.random.default_rng(pp * 10 + virtual)
+    stages, k = pp * virtual, 3
+    fwd = rng.uniform(0.5, 2.0, (stages, k))
+    bwd = fwd * rng.uniform(1.5, 2.5, (stages, k))
+    nbytes = rng.integers(0, 1 << 20, stages)
+    lat, per_byte = 1e-3, 1e-6
+    hop = np.stack([lat + nbytes * per_byte * (j + 1) for j in range(k)], axis=1)
+    sched = builtin(kind, pp, virtual, micro)
+    step, busy = makespans(compile_schedule(sched), fwd, bwd, hop)
+    for j in range(k):
+        costs = [StageCost(fwd=float(fwd[s, j]), bwd=float(bwd[s, j]), boundary=int(nbytes[s]))
+                 for s in range(stages)]
+        ref = simulate_schedule(sched, costs,
+                                transfer=lambda n, j=j: lat + n * per_byte * (j + 1))
+        assert step[j] == pytest.approx(ref.step_time, rel=1e-9)
+        assert busy[j] == pytest.approx(max(ref.busy.values()), rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def t5():
+    """A T5 whose encoder runs over 4x the decoder's tokens, with a large vocabulary: its
+    FLOP-balanced stages hold different numbers of whole layers, the head the last one."""
+    cfg = T5Config(vocab_size=65536, block_size=1024, d_model=1024, d_kv=64, n_head=16,
+                   d_ff=2816, n_enc_layer=12, n_dec_layer=12)
+    with torch.device("meta"):
+        model = T5(cfg)
+        src = torch.zeros(32, 1024, dtype=torch.long)
+        tgt = torch.zeros(32, 256, dtype=torch.long)
+    return torchweave.capture(model, (src, tgt, tgt))
+
+
+def test_uneven_stages_are_priced_by_their_schedule(t5):
+    cluster = parse_cluster("16xV100-32GB-SXM2@8")
+    dtype = torch.float16
+    base = PlanSpec.parse("dp").build(t5, 1)
+    blocks = with_twin(t5, base, find_blocks(t5, base, least=4, nested=False))
+    assert blocks.twin == "decoder" and len(blocks) == 12
+    px = proxy(t5, blocks, cluster, 2, True, "none", dtype=dtype, precision="bf16-mixed")
+    timing = Timing(t5, blocks, cluster, dtype, 32)
+    arithmetic, timed = [], []
+    for pp, virtual, micro in ((4, 1, 8), (4, 3, 8), (2, 6, 8)):
+        pt = Point(tp=2, pp=pp, dp=16 // (2 * pp), micro=micro, virtual=virtual,
+                   schedule="interleaved" if virtual > 1 else "1f1b", recompute="none",
+                   zero=0, sp=True)
+        sim = simulate(t5, PlanSpec.parse(pt.spec).build(t5, 16), cluster, dtype=dtype).step_time
+        old = estimate(pt, px, cluster, len(blocks), precision="bf16-mixed")
+        new = estimate(pt, px, cluster, len(blocks), precision="bf16-mixed",
+                       schedule_s=timing.price([(pt, px)], len(blocks))[pt])
+        arithmetic.append(abs(old.step_s / sim - 1))
+        timed.append(abs(new.step_s / sim - 1))
+        assert new.compute_s + new.bubble_s + new.sync_s + new.optimizer_s == \
+            pytest.approx(new.step_s)
+    assert max(timed) <= 0.05, (arithmetic, timed)
+    assert max(arithmetic) > 0.08, arithmetic  # the case the schedule is needed for
