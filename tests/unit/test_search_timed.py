@@ -77,7 +77,15 @@ def test_uneven_stages_are_priced_by_their_schedule(t5):
                        schedule_s=timing.price([(pt, px)], len(blocks))[pt])
         arithmetic.append(abs(old.step_s / sim - 1))
         timed.append(abs(new.step_s / sim - 1))
-        assert new.compute_s + new.bubble_s + new.sync_s + new.optimizer_s == \
-            pytest.approx(new.step_s)
+        assert new.p2p_s == 0.0 and new.bubble_s > 0  # transfers are among the waits
     assert max(timed) <= 0.05, (arithmetic, timed)
-    assert max(arithmetic) > 0.08, arithmetic  # the case the schedule is needed for
+    # the case the schedule is for: the arithmetic (every stage charged the whole rest,
+    # stages of equal cost) is far off here
+    assert max(arithmetic) > 0.08, arithmetic
+
+
+def test_plans_that_are_not_plain_pipelines_are_refused():
+    from torchweave.plan.interlaced import interlaced_1f1b
+
+    with pytest.raises(ValueError, match="shared stage"):
+        compile_schedule(interlaced_1f1b(4, 8))

@@ -196,7 +196,8 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             if pipelined:
                 say(f"run {len({(p.schedule, p.pp, p.virtual, p.micro) for p, _ in pipelined})} "
                     f"pipeline schedules on their stages' costs")
-            timed = Timing(graph, blocks, cluster, dtype, batch).price(pipelined, len(blocks))
+            timed = Timing(graph, blocks, cluster, dtype, batch).price(pipelined, len(blocks)) \
+                if pipelined else {}
             for pt in pts:
                 if not estimable(pt):
                     continue

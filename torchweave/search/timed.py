@@ -86,6 +86,10 @@ def compile_schedule(schedule: Schedule) -> Compiled:
     def key(a):  # as plan.schedules.check keys an action
         return (a.kind, a.stage, a.micro, a.iteration)
 
+    seen = [key(a) for acts in schedule.values() for a in acts if a.kind.is_compute]
+    if len(set(seen)) < len(seen) or any(k[0] is Kind.R for k in seen):
+        raise ValueError("compile_schedule times plain pipelines: no shared stage (interlaced) "
+                         "and no no-gradient pass (multi-forward)")
     times = timeline(schedule)
     order = sorted((start, r, i, a) for r, acts in times.items()
                    for i, (start, _end, a) in enumerate(acts))
@@ -96,13 +100,13 @@ def compile_schedule(schedule: Schedule) -> Compiled:
     for _start, r, _i, a in order:
         edges = []
         for d in deps_of(a):
-            src = d[1]
-            if rank_of[src] == r:
-                edges.append((index[d], -1))
-            elif d[0] in (Kind.F, Kind.R):
-                edges.append((index[d], min(src, a.stage)))
-            else:  # a gradient coming back into this stage's output
+            src, apart = d[1], rank_of[d[1]] != r
+            if apart and d[0] is Kind.F and a.kind is Kind.F:  # the input, sent forward
+                edges.append((index[d], src))
+            elif apart and d[0] in (Kind.B, Kind.I) and src != a.stage:  # a gradient, back
                 edges.append((index[d], a.stage))
+            else:
+                edges.append((index[d], -1))
         index[key(a)] = len(rank)
         rank.append(r)
         stage.append(a.stage)
@@ -221,8 +225,13 @@ class Timing:
             for k, (pt, px) in enumerate(cols.values()):
                 f = 1.0 / (pt.dp * pt.micro)
                 whole = n_blocks * px.block_s
-                fwd[:, k] = (sh.block_f * whole + sh.rest_f * px.rest_s) * f
-                bwd[:, k] = (sh.block_b * whole + sh.rest_b * px.rest_s) * f
+                block_f, block_b = sh.block_f, sh.block_b
+                if pt.recompute == "full":  # the proxy's block holds its forward twice; the
+                    # second runs in backward (as the simulator's stage costs have it)
+                    scale = 1.0 / (1.0 + block_f.sum())
+                    block_f, block_b = block_f * scale, (block_b + block_f) * scale
+                fwd[:, k] = (block_f * whole + sh.rest_f * px.rest_s) * f
+                bwd[:, k] = (block_b * whole + sh.rest_b * px.rest_s) * f
                 lat, per_byte = self._link(pt.tp * pt.dp * pt.ep)
                 # bytes a stage's rank receives, as the simulator sizes them: a sequence-split
                 # activation, its shard; a replicated one, a whole copy; a value without the
