@@ -20,48 +20,9 @@ import time
 from typing import Any
 
 
-def rank_main(ctx, side: str) -> tuple[float, float]:
-    """(when this rank's first step ended, its loss: the whole batch's)."""
-    import torch
-    import torch.distributed as dist
-
-    from parallel import make_gpt  # bench/parallel.py
-
-    model, batch = make_gpt()
-    if side == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp = DDP(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-        if batch[0].shape[0] % ctx.world_size:
-            raise ValueError(f"DDP's shards: the batch of {batch[0].shape[0]} does not split "
-                             f"over {ctx.world_size} ranks")
-        n = batch[0].shape[0] // ctx.world_size
-        part = [x[ctx.rank * n:(ctx.rank + 1) * n] for x in batch]
-        loss = ddp(*part)
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        value = float(total) / ctx.world_size
-    else:
-        from torchweave.parallel import parallelize
-
-        pm = parallelize(model, batch, plan="dp", groups=ctx.groups)
-        value = float(pm.train_step(*batch))
-    return time.time(), value
-
-
-def phases_main(ctx, side: str, t0: float) -> list[tuple[str, float, float]]:
-    """(phase, wall seconds since the launch when it ended, this rank's CPU seconds then)."""
-    import resource
-
-    def mark(name: str) -> None:
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        marks.append((name, time.time() - t0, ru.ru_utime + ru.ru_stime))
-
-    marks: list[tuple[str, float, float]] = []
-    mark("started, torch imported")
+def first_step(ctx, side: str, mark) -> float:
+    """Build ``side`` (``ddp`` or ``tw``) on bench/parallel.py's GPT and run one AdamW step,
+    calling ``mark(phase)`` as each phase ends; returns the loss of the whole batch."""
     import torch
     import torch.distributed as dist
 
@@ -75,12 +36,17 @@ def phases_main(ctx, side: str, t0: float) -> list[tuple[str, float, float]]:
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         mark("DDP and AdamW built")
+        if batch[0].shape[0] % ctx.world_size:
+            raise ValueError(f"DDP's shards: the batch of {batch[0].shape[0]} does not split "
+                             f"over {ctx.world_size} ranks")
         n = batch[0].shape[0] // ctx.world_size
         loss = ddp(*[x[ctx.rank * n:(ctx.rank + 1) * n] for x in batch])
         loss.backward()
         opt.step()
-        dist.all_reduce(loss.detach().clone())
-    else:
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        value = float(total) / ctx.world_size
+    else:  # parallelize's own three steps (torchweave/parallel.py), each marked
         from torchweave.parallel import StepConfig, compile_plan, default_optimizer, rank_module
         from torchweave.parallel import shared_front
 
@@ -91,9 +57,47 @@ def phases_main(ctx, side: str, t0: float) -> list[tuple[str, float, float]]:
                                 only_rank=ctx.rank, front=front)
         mark("lowered, code generated")
         pm = rank_module(compiled, ctx.groups, optimizer=default_optimizer, config=StepConfig())
-        float(pm.train_step(*batch))
+        value = float(pm.train_step(*batch))
     mark("first step done")
+    return value
+
+
+def rank_main(ctx, side: str) -> tuple[float, float]:
+    """(when this rank's first step ended, its loss: the whole batch's)."""
+    value = first_step(ctx, side, lambda _name: None)
+    return time.time(), value
+
+
+def phases_main(ctx, side: str, t0: float) -> list[tuple[str, float, float]]:
+    """(phase, wall seconds since the launch when it ended, this rank's CPU seconds then)."""
+    import resource
+
+    def mark(name: str) -> None:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        marks.append((name, time.time() - t0, ru.ru_utime + ru.ru_stime))
+
+    marks: list[tuple[str, float, float]] = []
+    mark("started, torch imported")
+    first_step(ctx, side, mark)
     return marks
+
+
+def compile_bytecode() -> None:
+    """Compile torchweave's and this folder's modules to bytecode, once, before any launch.
+
+    ``pip install`` compiles an installed package's modules, and a first import writes
+    what is missing, so a user's ranks read bytecode. Where ``PYTHONDONTWRITEBYTECODE``
+    is set (as on the machine these numbers come from), an editable checkout has none,
+    and every rank of every launch would compile torchweave's modules from source
+    (about 0.1 CPU s a rank) while PyTorch's own, compiled when it was installed, are
+    read. This puts both sides on the same footing."""
+    import compileall
+    from pathlib import Path
+
+    import torchweave
+
+    for folder in (Path(torchweave.__file__).parent, Path(__file__).parent):
+        compileall.compile_dir(str(folder), quiet=1)
 
 
 def phases(world: int) -> list[str]:
@@ -134,6 +138,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="one launch per side per world size: when each phase ended, CPU seconds")
     args = ap.parse_args()
+    compile_bytecode()
     if args.phases:
         rows = ["| ranks | side | phase | ends on rank 0 (s) | ends on the last other rank (s) | "
                 "rank 0 CPU s | median other rank CPU s | CPU s, all ranks |",

@@ -39,6 +39,7 @@ import argparse
 import functools
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -237,9 +238,18 @@ def measure(pair: Pair, world: int, launches: int, budget: Budget) -> list[Launc
             out.append(pair.run(world, budget))
         except Exception as e:  # noqa: BLE001 - a rank died: this launch is lost, the run goes on
             traceback.print_exc(file=sys.stderr)
-            first = (str(e).strip().splitlines() or [""])[0]
-            out.append(Launch(errors=[f"launch failed: {type(e).__name__}: {first}"[:200]]))
+            out.append(Launch(errors=[f"launch failed: {_cause(e)}"[:200]]))
     return out
+
+
+def _cause(e: Exception) -> str:
+    """The first exception a failed rank's traceback names (in a chained traceback, the
+    root cause comes first), else the error's own first line."""
+    for line in getattr(e, "traceback", "").splitlines():
+        m = re.match(r"(\w+(?:Error|Exception)): (.+)", line.strip())
+        if m:
+            return f"rank {e.rank}: {m.group(1)}: {m.group(2)}"
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
 
 
 def _mem(pair: Pair, done: list[Launch]) -> tuple[str, str | None]:
@@ -329,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(steps=args.steps, warmup=1 if args.quick else 2,
                     trainer_block=2 if args.quick else 10, timeout_s=args.timeout)
     chosen = [p for p in pairs() if p.group in args.only]
+    if "first" in args.only:
+        first_step.compile_bytecode()  # as an installed package has it (see there)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo, 1 thread per rank; "
           f"{args.launches} launch(es) per row, {args.steps} timed steps per side", flush=True)
     print("\n".join(HEADER), flush=True)

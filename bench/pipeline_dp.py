@@ -59,7 +59,13 @@ def torch_side(ctx, schedule: str, micro: int, pp: int = PP, dp: int = DP):
     for s in _stages(position, v, pp):
         mod = nn.Sequential(*[model.blocks[i] for i in range(s * per, (s + 1) * per)])
         params += list(mod.parameters())
-        ddp = DDP(mod, process_group=dp_groups[position], bucket_cap_mb=25)
+        # One block a stage under ScheduleInterleaved1F1B (pp = 4, v = 2 over the 8 blocks):
+        # PyTorch 2.13's reducer fails its bucket rebuild after the first step ("rebuilt
+        # parameter indices size is not same as original model parameters size"); with
+        # find_unused_parameters it never rebuilds, at the cost of one walk of the stage's
+        # small autograd graph per step. Every other shape runs DDP's defaults.
+        ddp = DDP(mod, process_group=dp_groups[position], bucket_cap_mb=25,
+                  find_unused_parameters=per == 1)
         stages.append(PipelineStage(ddp, s, pp * v, torch.device("cpu"), group=pp_groups[replica]))
     loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
     sched = (ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn) if schedule == "interleaved"

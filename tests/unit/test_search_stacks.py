@@ -41,6 +41,10 @@ def test_the_decoder_is_the_encoders_twin_and_both_are_cut(t5):
         assert len(_layers(g, "encoder")) == len(_layers(g, "decoder")) == k
     g, _ = cut_stacks(t5, base, blocks, 3)  # no twin: the decoder stays whole
     assert len(_layers(g, "decoder")) == 6
+    assert paired.holds("decoder.3.ff.w") and paired.holds("encoder.0")
+    assert not blocks.holds("decoder.3.ff.w") and blocks.holds("encoder.5.attn")
+    assert not paired.holds("encoder_norm") and not paired.holds("encoder.final")
+    assert paired.index_of("encoder.4.attn.q") == 4 and paired.index_of("decoder.4") is None
 
 
 def test_the_proxys_rest_no_longer_holds_the_decoder_and_pipelines_are_priced_by_it(t5):

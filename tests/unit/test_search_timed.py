@@ -5,6 +5,8 @@ is far off."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -15,10 +17,11 @@ from torchweave.plan.schedules.builtin import builtin
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.estimate import estimate, proxy
 from torchweave.search.space import Point
-from torchweave.search.timed import Timing, compile_schedule, makespans
+from torchweave.search.timed import Timing, compile_schedule, exposed_sums, makespans
 from torchweave.sim import parse_cluster
 from torchweave.sim.fast.fold import find_blocks, with_twin
 from torchweave.sim.simulate import simulate
+from torchweave.sim.step.pipelined import RankCosts, Sums, finish_times
 from torchweave.sim.step.schedule import StageCost, simulate_schedule
 
 CASES = [("gpipe", 3, 1, 5), ("1f1b", 4, 1, 6), ("interleaved", 2, 3, 4),
@@ -35,14 +38,23 @@ def test_the_vectorised_schedule_times_as_the_simulators_engine(kind, pp, virtua
     lat, per_byte = 1e-3, 1e-6
     hop = np.stack([lat + nbytes * per_byte * (j + 1) for j in range(k)], axis=1)
     sched = builtin(kind, pp, virtual, micro)
-    step, busy = makespans(compile_schedule(sched), fwd, bwd, hop)
+    run = makespans(compile_schedule(sched), fwd, bwd, hop)
+    sums = rng.uniform(0.0, 3.0, (stages, k))  # each stage's gradient sum, seconds
+    exposed = exposed_sums(run, sums)
     for j in range(k):
         costs = [StageCost(fwd=float(fwd[s, j]), bwd=float(bwd[s, j]), boundary=int(nbytes[s]))
                  for s in range(stages)]
         ref = simulate_schedule(sched, costs,
                                 transfer=lambda n, j=j: lat + n * per_byte * (j + 1))
-        assert step[j] == pytest.approx(ref.step_time, rel=1e-9)
-        assert busy[j] == pytest.approx(max(ref.busy.values()), rel=1e-9)
+        assert run.step[j] == pytest.approx(ref.step_time, rel=1e-9)
+        assert run.busy[j] == pytest.approx(max(ref.busy.values()), rel=1e-9)
+        # the sums as the simulator's finish_times overlaps them (rank q holds stages
+        # q, q + pp, ...; no ZeRO)
+        plan = SimpleNamespace(pipeline=SimpleNamespace(groups=[[q] for q in range(pp)]), zero=0)
+        ranks = {q: RankCosts(syncs={(frozenset({s}), (0, 1)): Sums(1, 0.0, float(sums[s, j]), (0, 1))
+                                     for s in range(q, stages, pp)}) for q in range(pp)}
+        ends = finish_times(plan, ref, ranks)
+        assert exposed[j] == pytest.approx(max(ends.values()) - ref.step_time, rel=1e-9, abs=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ the batch, by arithmetic:
 
 Pipelined points: the search passes each point's schedule run on its stages' costs
 from the real cut (:mod:`~torchweave.search.timed`, ``schedule_s``), which replaces
-the compute, bubble and point-to-point arithmetic above. That arithmetic charges
+the compute, bubble and point-to-point arithmetic above, and, without ZeRO or experts,
+the gradient sums too: each stage's starts when that stage's backward is done. That arithmetic charges
 every stage the whole rest and assumes stages of equal cost: 14% off on average on
 a 250k-vocabulary T5's uneven cut, up to 40% (``bench/search_estimate.py``).
 
@@ -52,6 +53,7 @@ from torchweave.plan.plan import Plan
 from torchweave.policies.expert import expert_axis
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
+from torchweave.search.timed import Priced
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.lower.buckets import BUCKET_BYTES
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
@@ -171,11 +173,13 @@ def estimable(pt: Point) -> bool:
 
 
 def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision: str,
-             schedule_s: tuple[float, float] | None = None) -> Estimate:
+             schedule_s: Priced | None = None) -> Estimate:
     """The cost of ``pt`` from its split's proxy (see the module docstring); ``pt`` must be
     :func:`estimable`. ``schedule_s``: a pipelined point's schedule already run on its
-    stages' costs (:mod:`~torchweave.search.timed`: step and busiest rank's seconds), which
-    replaces the arithmetic's compute, bubble and point-to-point terms."""
+    stages' costs (:class:`~torchweave.search.timed.Priced`), which replaces the
+    arithmetic's compute, bubble and point-to-point terms, and, where it has them, its
+    gradient sums: each stage's starts when that stage's backward is done, so in an
+    interleaved schedule most of them run under the last chunks' backward."""
     if not estimable(pt):
         raise ValueError(f"{pt.spec}: not priced by the estimate (see estimable)")
     f = 1.0 / (pt.dp * pt.micro)
@@ -222,7 +226,9 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
                        for nbytes, group in sums)
     p2p = 0.0
     if pt.pp > 1 and schedule_s is not None:  # transfers are among the schedule's waits
-        work, bubble = schedule_s[1], schedule_s[0] - schedule_s[1]
+        work, bubble = schedule_s.busy_s, schedule_s.step_s - schedule_s.busy_s
+        if schedule_s.sums_s is not None:
+            sync = schedule_s.sums_s
     elif pt.pp > 1:
         hop = px.boundary_bytes * f / (max(pt.tp, 1) * pt.ep)
         link = cluster.inter if pt.tp * pt.dp * pt.ep >= cluster.devices_per_node else cluster.intra

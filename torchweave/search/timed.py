@@ -23,7 +23,7 @@ over every split of the block that shares the schedule, so that all points of a
 
 from __future__ import annotations
 
-import re
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from torchweave.ir.graph import Graph
+from torchweave.lower.buckets import BUCKET_BYTES
 from torchweave.ops import info
 from torchweave.plan.schedules import Kind, Schedule
 from torchweave.plan.schedules.builtin import builtin
@@ -63,6 +64,23 @@ class Shares:
     them, the step's bytes over ``micro``."""
     weights: np.ndarray
     """Bytes of weights read on two stages (tied), also over ``micro``, split over ``tp``."""
+    block_p: np.ndarray
+    rest_p: np.ndarray
+    """Each stage's share of the blocks' and of the rest's parameter elements (a parameter
+    is held by the stage that reads it first, as the pipeline policy places it)."""
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A pipelined point's schedule run on its stages' costs."""
+
+    step_s: float
+    busy_s: float
+    """The busiest rank's compute seconds."""
+    sums_s: float | None
+    """How much the gradient sums over ``dp`` add to the step, each stage's starting once
+    its gradients are made (None where the estimate's arithmetic prices them: with ZeRO,
+    whose sums wait for the last action, with expert parallelism, or without ``dp``)."""
 
 
 @dataclass(frozen=True)
@@ -115,25 +133,58 @@ def compile_schedule(schedule: Schedule) -> Compiled:
     return Compiled(tuple(rank), tuple(stage), tuple(kind), tuple(deps), len(times))
 
 
-def makespans(c: Compiled, fwd: np.ndarray, bwd: np.ndarray, hop: np.ndarray
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """(step seconds, the busiest rank's seconds) of ``c`` for ``K`` sets of stage costs:
-    ``fwd``, ``bwd`` and ``hop`` (the transfer after each boundary) are ``[stages, K]``."""
+@dataclass(frozen=True)
+class Run:
+    """A schedule run on ``K`` sets of stage costs (arrays of ``K``)."""
+
+    step: np.ndarray
+    busy: np.ndarray
+    """The busiest rank's compute seconds."""
+    ends: list[np.ndarray]
+    """Per rank, when its last action ends."""
+    grads: dict[int, list[tuple[int, np.ndarray]]]
+    """Per rank, its stages with the end of the last action that makes their gradients
+    (B or W), in the order the rank runs those actions (the same for every ``K``)."""
+
+
+def makespans(c: Compiled, fwd: np.ndarray, bwd: np.ndarray, hop: np.ndarray) -> Run:
+    """``c`` run for ``K`` sets of stage costs: ``fwd``, ``bwd`` and ``hop`` (the transfer
+    after each boundary) are ``[stages, K]``."""
     costs = {Kind.F: fwd, Kind.R: fwd, Kind.B: bwd, Kind.I: bwd * (1 - WEIGHT_SHARE),
              Kind.W: bwd * WEIGHT_SHARE}
     zero = np.zeros(fwd.shape[1])
     clock = [zero] * c.ranks
     busy = [zero] * c.ranks
     end: list[np.ndarray] = []
+    last: dict[int, tuple[int, int]] = {}  # stage -> (its rank's action count, action index)
     for r, s, k, deps in zip(c.rank, c.stage, c.kind, c.deps):
         t = clock[r]
         for d, b in deps:
             t = np.maximum(t, end[d] if b < 0 else end[d] + hop[b])
         cost = costs[k][s]
+        if k in (Kind.B, Kind.W):
+            last[s] = (len(end), r)
         end.append(t + cost)
         clock[r] = end[-1]
         busy[r] = busy[r] + cost
-    return np.max(clock, axis=0), np.max(busy, axis=0)
+    grads: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
+    for s, (i, r) in sorted(last.items(), key=lambda x: x[1][0]):
+        grads[r].append((s, end[i]))
+    return Run(np.max(clock, axis=0), np.max(busy, axis=0), clock, dict(grads))
+
+
+def exposed_sums(run: Run, seconds: np.ndarray) -> np.ndarray:
+    """How much longer than ``run.step`` the step is when each stage's gradient sum
+    (``seconds``: ``[stages, K]``) starts once the stage's gradients are made and the sums
+    of one rank run one after another (as the simulator's ``finish_times`` has them for a
+    pipeline without ZeRO)."""
+    finish = run.step * 0
+    for r, stages in run.grads.items():
+        clock = run.step * 0
+        for s, ready in stages:
+            clock = np.maximum(clock, ready) + seconds[s]
+        finish = np.maximum(finish, np.maximum(clock, run.ends[r]))
+    return finish - run.step
 
 
 class Timing:
@@ -142,14 +193,12 @@ class Timing:
 
     def __init__(self, graph: Graph, blocks: Blocks, cluster: Cluster, dtype: torch.dtype | None,
                  batch: int):
-        self.graph, self.cluster, self.batch = graph, cluster, batch
+        self.graph, self.cluster, self.batch, self._blocks = graph, cluster, batch, blocks
         self.half = dtype in (torch.float16, torch.bfloat16)
-        stacks = [blocks.prefix] + ([blocks.twin] if blocks.twin else [])
-        pattern = re.compile("|".join(re.escape(s) + r"\.\d+(?:\.|$)" for s in stacks))
         self._ops = []
         for n in graph.nodes:
             t = op_time(info(graph, n), cluster.device, dtype=dtype or torch.float32)
-            self._ops.append((t.fwd, t.bwd, bool(n.module and pattern.match(n.module))))
+            self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
         self._shares: dict[int, Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
         self._links: dict[int, tuple[float, float]] = {}
@@ -191,9 +240,15 @@ class Timing:
                 add(name, s, last.get(name, s))
             for name, s in tied:  # each tensor-parallel rank sends its shard
                 add(name, s - 1, s, weight=True)
+            held = np.zeros((2, stages))  # parameter elements, the blocks' and the rest's
+            for name, s in first.items():
+                v = g.values[name]
+                held[0 if self._blocks.holds(v.target or name) else 1, s] += v.meta.numel
             self._shares[stages] = Shares(parts[0] / (blk or 1), parts[1] / (blk or 1),
                                           parts[2] / (rest or 1), parts[3] / (rest or 1),
-                                          cross, fixed, split)
+                                          cross, fixed, split,
+                                          held[0] / (held[0].sum() or 1),
+                                          held[1] / (held[1].sum() or 1))
         return self._shares[stages]
 
     def _link(self, peer: int) -> tuple[float, float]:
@@ -206,9 +261,9 @@ class Timing:
             self._links[peer] = (t0, (t1 - t0) / big)
         return self._links[peer]
 
-    def price(self, items: list, n_blocks: int) -> dict:
-        """``{point: (step seconds, busiest rank's seconds)}`` of the pipeline schedule of each
-        ``(point, proxy)`` in ``items`` (pipelined points only)."""
+    def price(self, items: list, n_blocks: int) -> dict[object, Priced]:
+        """The pipeline schedule of each ``(point, proxy)`` in ``items`` (pipelined points
+        only), with its gradient sums where they overlap the schedule (see :class:`Priced`)."""
         groups: dict[tuple[str, int, int, int], list] = defaultdict(list)
         for pt, px in items:
             groups[(pt.schedule, pt.pp, pt.virtual, pt.micro)].append((pt, px))
@@ -239,12 +294,34 @@ class Timing:
                 acts = sh.cross * f / pt.ep / (pt.tp if pt.sp else 1)
                 hop[:, k] = lat + (acts + sh.fixed * pt.tp / micro
                                    + sh.weights / (micro * pt.tp * pt.ep)) * per_byte
-            step, busy = makespans(self._compiled[key], fwd, bwd, hop)
+            run = makespans(self._compiled[key], fwd, bwd, hop)
+            sums = np.zeros((pp * virtual, len(cols)))
+            for k, (pt, px) in enumerate(cols.values()):
+                sums[:, k] = self._sums(pt, px, sh, n_blocks)
+            exposed = exposed_sums(run, sums)
             col = {c: k for k, c in enumerate(cols)}
             for pt, px in members:
                 k = col[(id(px), pt.dp, pt.tp * pt.ep)]
-                out[pt] = (float(step[k]), float(busy[k]))
+                overlapped = pt.zero == 0 and pt.dp > 1 and pt.ep == 1
+                out[pt] = Priced(float(run.step[k]), float(run.busy[k]),
+                                 float(exposed[k]) if overlapped else None)
+        return out
+
+    def _sums(self, pt, px, sh: Shares, n_blocks: int) -> np.ndarray:
+        """Each stage's gradient sum over ``dp`` in seconds (0 without data parallelism):
+        its parameters' gradients in the compute dtype, in 25 MiB buckets."""
+        out = np.zeros(len(sh.block_p))
+        if pt.dp == 1 or pt.ep > 1:
+            return out
+        item = 2 if self.half else 4
+        group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
+        for s in range(len(out)):
+            nbytes = item * (sh.block_p[s] * n_blocks * px.block_params + sh.rest_p[s] * px.rest_params)
+            n = max(1, math.ceil(nbytes / BUCKET_BYTES))
+            out[s] = n * collective_time(self.cluster, Collective.ALL_REDUCE, int(nbytes / n),
+                                         group).seconds if nbytes else 0.0
         return out
 
 
-__all__ = ["Compiled", "Shares", "Timing", "compile_schedule", "makespans"]
+__all__ = ["Compiled", "Priced", "Run", "Shares", "Timing", "compile_schedule", "exposed_sums",
+           "makespans"]

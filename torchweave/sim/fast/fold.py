@@ -52,8 +52,18 @@ class Blocks:
 
     def index_of(self, path: str) -> int | None:
         """The block a module or parameter path is in (``blocks.3.attn.w`` → 3), or None."""
-        m = re.match(re.escape(self.prefix) + r"\.(\d+)(?:\.|$)", path)
-        return int(m.group(1)) // self.period if m else None
+        i = _number_under(self.prefix, path)
+        return i // self.period if i is not None else None
+
+    def holds(self, path: str) -> bool:
+        """Whether a module or parameter path lies in a block of this stack or of its twin."""
+        return any(_number_under(p, path) is not None for p in (self.prefix, self.twin) if p)
+
+
+def _number_under(prefix: str, path: str) -> int | None:
+    """``i`` where ``path`` is ``<prefix>.<i>`` or lies under it, else None."""
+    m = re.match(re.escape(prefix) + r"\.(\d+)(?:\.|$)", path)
+    return int(m.group(1)) if m else None
 
 
 PERIODS = (1, 2)
