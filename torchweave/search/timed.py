@@ -202,6 +202,8 @@ class Timing:
         self._shares: dict[int, Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
         self._links: dict[int, tuple[float, float]] = {}
+        self._sums_s: dict[tuple, np.ndarray] = {}  # each stage's gradient sum, by split and cut
+        self._reduce_s: dict[tuple, float] = {}
 
     def shares(self, stages: int) -> Shares:
         if stages not in self._shares:
@@ -297,7 +299,8 @@ class Timing:
             run = makespans(self._compiled[key], fwd, bwd, hop)
             sums = np.zeros((pp * virtual, len(cols)))
             for k, (pt, px) in enumerate(cols.values()):
-                sums[:, k] = self._sums(pt, px, sh, n_blocks)
+                if pt.dp > 1 and pt.ep == 1:
+                    sums[:, k] = self._sums(pt, px, sh, n_blocks)
             exposed = exposed_sums(run, sums)
             col = {c: k for k, c in enumerate(cols)}
             for pt, px in members:
@@ -308,19 +311,26 @@ class Timing:
         return out
 
     def _sums(self, pt, px, sh: Shares, n_blocks: int) -> np.ndarray:
-        """Each stage's gradient sum over ``dp`` in seconds (0 without data parallelism):
+        """Each stage's gradient sum over ``dp`` in seconds (``dp > 1``, no experts):
         its parameters' gradients in the compute dtype, in 25 MiB buckets."""
-        out = np.zeros(len(sh.block_p))
-        if pt.dp == 1 or pt.ep > 1:
-            return out
-        item = 2 if self.half else 4
-        group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
-        for s in range(len(out)):
-            nbytes = item * (sh.block_p[s] * n_blocks * px.block_params + sh.rest_p[s] * px.rest_params)
-            n = max(1, math.ceil(nbytes / BUCKET_BYTES))
-            out[s] = n * collective_time(self.cluster, Collective.ALL_REDUCE, int(nbytes / n),
-                                         group).seconds if nbytes else 0.0
-        return out
+        key = (id(px), pt.dp, pt.tp, len(sh.block_p))
+        if key not in self._sums_s:
+            item = 2 if self.half else 4
+            group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
+            out = np.zeros(len(sh.block_p))
+            for s in range(len(out)):
+                nbytes = item * (sh.block_p[s] * n_blocks * px.block_params
+                                 + sh.rest_p[s] * px.rest_params)
+                n = max(1, math.ceil(nbytes / BUCKET_BYTES))
+                out[s] = n * self._all_reduce(int(nbytes / n), group) if nbytes else 0.0
+            self._sums_s[key] = out
+        return self._sums_s[key]
+
+    def _all_reduce(self, nbytes: int, group: tuple[int, ...]) -> float:
+        if (nbytes, group) not in self._reduce_s:
+            self._reduce_s[(nbytes, group)] = collective_time(
+                self.cluster, Collective.ALL_REDUCE, nbytes, group).seconds
+        return self._reduce_s[(nbytes, group)]
 
 
 __all__ = ["Compiled", "Priced", "Run", "Shares", "Timing", "compile_schedule", "exposed_sums",
