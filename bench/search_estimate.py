@@ -13,7 +13,7 @@ as the search estimates it and simulated in full, with two estimates side by sid
 - *search*: the point's own schedule run on per-stage costs from the real cut
   (``torchweave/search/timed.py``), what the search uses now.
 
-Run: python bench/search_estimate.py [--model t5|gpt] [--cluster SPEC] [--readme]
+Run: python bench/search_estimate.py [--model t5|gpt] [--cluster SPEC] [--readme] [--section NAME]
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--cluster", default="32xV100-32GB-SXM2@8")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
+    ap.add_argument("--section", help="the bench/README.md section to write (default "
+                                      "search-estimate-MODEL)")
     args = ap.parse_args()
     build = t5_250k if args.model == "t5" else (lambda b: gpt(24, 2048, 16, b))
     with torch.device("meta"):
@@ -89,7 +91,7 @@ def main() -> int:
         for k, v in errs.items()) + "."
     print(summary)
     if args.readme:
-        write_section(f"search-estimate-{args.model}",
+        write_section(args.section or f"search-estimate-{args.model}",
                       "python bench/search_estimate.py " + " ".join(sys.argv[1:]),
                       f"{args.model}, batch {args.batch}, {args.cluster}, "
                       f"{str(dtype).removeprefix('torch.')}.\n\n" + "\n".join(rows) + "\n\n"
