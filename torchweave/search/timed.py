@@ -156,7 +156,7 @@ def makespans(c: Compiled, fwd: np.ndarray, bwd: np.ndarray, hop: np.ndarray) ->
     clock = [zero] * c.ranks
     busy = [zero] * c.ranks
     end: list[np.ndarray] = []
-    last: dict[int, tuple[int, int]] = {}  # stage -> (its rank's action count, action index)
+    last: dict[int, tuple[int, int]] = {}  # stage -> (its last B or W action, its rank)
     for r, s, k, deps in zip(c.rank, c.stage, c.kind, c.deps):
         t = clock[r]
         for d, b in deps:
