@@ -23,7 +23,6 @@ over every split of the block that shares the schedule, so that all points of a
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ from torchweave.sim.fast.fold import Blocks
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import op_time
+from torchweave.sim.step.backward import Buckets
 
 WEIGHT_SHARE = 0.5
 """A split backward's weight-gradient share (``StageCost.weight_share``'s default)."""
@@ -68,6 +68,9 @@ class Shares:
     rest_p: np.ndarray
     """Each stage's share of the blocks' and of the rest's parameter elements (a parameter
     is held by the stage that reads it first, as the pipeline policy places it)."""
+    params: tuple[tuple[int, ...], ...]
+    """Per stage, its parameters' elements in the order backward makes their gradients
+    (the reverse of their first reads)."""
 
 
 @dataclass(frozen=True)
@@ -243,14 +246,17 @@ class Timing:
             for name, s in tied:  # each tensor-parallel rank sends its shard
                 add(name, s - 1, s, weight=True)
             held = np.zeros((2, stages))  # parameter elements, the blocks' and the rest's
-            for name, s in first.items():
+            params: list[list[int]] = [[] for _ in range(stages)]
+            for name, s in reversed(first.items()):
                 v = g.values[name]
                 held[0 if self._blocks.holds(v.target or name) else 1, s] += v.meta.numel
+                params[s].append(v.meta.numel)
             self._shares[stages] = Shares(parts[0] / (blk or 1), parts[1] / (blk or 1),
                                           parts[2] / (rest or 1), parts[3] / (rest or 1),
                                           cross, fixed, split,
                                           held[0] / (held[0].sum() or 1),
-                                          held[1] / (held[1].sum() or 1))
+                                          held[1] / (held[1].sum() or 1),
+                                          tuple(tuple(p) for p in params))
         return self._shares[stages]
 
     def _link(self, peer: int) -> tuple[float, float]:
@@ -311,18 +317,24 @@ class Timing:
         return out
 
     def _sums(self, pt, px, sh: Shares, n_blocks: int) -> np.ndarray:
-        """Each stage's gradient sum over ``dp`` in seconds (``dp > 1``, no experts):
-        its parameters' gradients in the compute dtype, in 25 MiB buckets."""
+        """Each stage's gradient sum over ``dp`` in seconds (``dp > 1``, no experts): its
+        parameters' gradients in the compute dtype (the proxy's bytes on one rank), in
+        buckets by the runtime's rule (:class:`~torchweave.sim.step.backward.Buckets`: a
+        bucket is summed once it holds 25 MiB, so a larger parameter is a sum of its own)."""
         key = (id(px), pt.dp, pt.tp, len(sh.block_p))
         if key not in self._sums_s:
             item = 2 if self.half else 4
             group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
             out = np.zeros(len(sh.block_p))
-            for s in range(len(out)):
+            for s, sizes in enumerate(sh.params):
                 nbytes = item * (sh.block_p[s] * n_blocks * px.block_params
                                  + sh.rest_p[s] * px.rest_params)
-                n = max(1, math.ceil(nbytes / BUCKET_BYTES))
-                out[s] = n * self._all_reduce(int(nbytes / n), group) if nbytes else 0.0
+                scale = nbytes / (sum(sizes) or 1)  # the graph's elements, as one rank holds them
+                buckets, closed = Buckets(BUCKET_BYTES), []
+                for i, n in enumerate(sizes):
+                    closed += buckets.add(str(i), (), n * scale)
+                out[s] = sum(self._all_reduce(int(size), group)
+                             for _, _, size in closed + buckets.drain() if size)
             self._sums_s[key] = out
         return self._sums_s[key]
 
