@@ -74,6 +74,7 @@ CASES = {
         ("recycler-tiny", "gpipe:pp=1,dp=2,micro=2,recycle=2")],
     4: [("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "1f1b:tp=2"), ("llama-tiny", "1f1b:tp=2,split=sequence"),
+        ("t5-tiny", "1f1b:tp=2,split=sequence"),
         ("gpt-tiny", "gpipe:dp=2,zero=1"), ("llama-tiny", "interlaced"), ("t5-tiny", "interlaced"),
         ("recycler-tiny", "1f1b:tp=2,recycle=3"), ("recycler-tiny", "interleaved:micro=4,recycle=2"),
         ("gpt-tiny", "interleaved:dp=2+buckets")],

@@ -9,6 +9,7 @@ from tests.conftest import assert_grads_match_model, built, captured, saved_byte
 from torchweave.codegen.render import render, write
 from torchweave.errors import TorchweaveError
 from torchweave.lower.lower import lower
+from torchweave.ops import info
 from torchweave.plan.plan import Plan
 from torchweave.plan.schedules import (
     Action, Kind, ScheduleError, add_communication, dry_run, peak_in_flight, to_csv,
@@ -269,3 +270,22 @@ def test_the_schedule_names_have_one_source() -> None:
 
     assert SCHEDULES is BUILTIN and drawn is BUILTIN and typing.get_args(ScheduleName) == BUILTIN
     assert SCHEDULE_NAMES == ("none", *BUILTIN, "interlaced")
+
+
+def test_a_read_of_dtype_alone_moves_no_tensor_between_stages() -> None:
+    """T5's norm ends in ``type_as(x)``, which reads only ``x``'s dtype. At a stage boundary
+    ``x`` used to cross whole a second time (and its gradient back) for that read; now the
+    norm's own read of ``x`` brings the only copy, and each value crosses once."""
+    from torchweave.policies.spec import PlanSpec
+
+    graph = captured("t5-tiny")
+    plan = PlanSpec.parse("1f1b:tp=2,split=sequence").build(graph, 4)
+    meta_only = {(n.name, r.name) for n in graph.nodes
+                 for r, spec in zip(n.input_refs(), info(graph, n).bound.annotation.inputs)
+                 if spec.meta_only}
+    assert any(node.startswith("type_as") for node, _ in meta_only)  # the case is there
+    for prog in lower(graph, plan):
+        values = [b.step for s in prog.segments for b in s.recvs]
+        crossed = [c.value for c in prog.comms() if c.dst in {b.key for s in prog.segments for b in s.recvs}]
+        assert len(crossed) == len(set(crossed)) == len(values), (prog.rank, crossed)
+        assert not any((c.consumer, c.value) in meta_only for c in prog.comms()), prog.rank

@@ -101,3 +101,27 @@ def test_plans_that_are_not_plain_pipelines_are_refused():
 
     with pytest.raises(ValueError, match="shared stage"):
         compile_schedule(interlaced_1f1b(4, 8))
+
+
+def test_a_boundary_carries_what_the_next_stages_read(t5):
+    """Sizes as lowering moves them: the residual crosses as its sequence shard, T5's
+    encoder output (sequence-split where it is made, read whole by cross-attention's
+    column-parallel linears) whole; a value crosses once into each other pipeline rank
+    that reads it (an interleaved rank keeps its copy for its later stages)."""
+    from torchweave.search.estimate import read_shares
+
+    shares = read_shares(t5, PlanSpec.parse("sp:tp=2,dp=1").build(t5, 2))
+    enc_out = [n for n in t5.nodes if n.module == "enc_norm"][-1].outputs[0]
+    residual = [n for n in t5.nodes if n.module == "encoder.3"][-1].outputs[0]  # the block's output
+    assert shares[enc_out] == 1.0 and shares[residual] == 0.5
+    base = PlanSpec.parse("dp").build(t5, 1)
+    blocks = with_twin(t5, base, find_blocks(t5, base, least=4, nested=False))
+    sh = Timing(t5, blocks, parse_cluster("16xV100-32GB-SXM2@8"), torch.float16, 32).shares(12)
+    bias = [c for c in sh.crossing if c[4] == "fixed" and len(c[2]) > 2]
+    assert bias  # the relative-position bias: made on stage 0, read by the encoder's stages
+    name, made, readers, nbytes, _ = bias[0]
+    one = {name: 1.0}
+    into = sh.received(2, "fixed", one, 0.0)  # pp = 2: stages 1, 3, 5 ... on rank 1
+    assert made == 0 and into[readers[0] - 1] == nbytes and into.sum() == nbytes
+    into = sh.received(12, "fixed", one, 0.0)  # one stage a rank: into each reader
+    assert into.sum() == nbytes * len(readers)

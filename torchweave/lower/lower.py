@@ -59,6 +59,8 @@ class Lowering:
         self.grad_steps: dict[str, list] = {}
         """Value → the grad_all_reduce steps that are all it needed (candidates to defer)."""
         self._kinds: dict[tuple, object] = {}
+        self.received: dict[tuple[str, int], str] = {}
+        """(value, device) → a local name of a piece of it received from another stage."""
         self.rerun: set[str] = set()
         """Nodes run again in backward (recompute groups, co-shard regions)."""
         self.split_backward = False
@@ -162,12 +164,20 @@ class Lowering:
         for k, (ref, tspec) in enumerate(zip(refs, specs)):
             meta = self.graph.values[ref.name].meta
             held = self.held.get(ref.name, {})
-            if tspec.meta_only and all(d in held for d in by_device):
-                for d in by_device:
-                    local_inputs[(k, d)] = self.local.get((ref.name, d), ref.name)
-                continue
-            needs = {d: Need(tensor_box(bound, tspec, meta.shape, ps[0]), ps[0].piece_id)
-                     for d, ps in by_device.items()}
+            if tspec.meta_only:  # only its dtype is read: any piece on the device will do
+                got = {d: self.local.get((ref.name, d), ref.name) if d in held
+                       else self.received.get((ref.name, d)) for d in by_device}
+                if all(name is not None for name in got.values()):
+                    local_inputs.update(((k, d), name) for d, name in got.items())
+                    continue
+            if tspec.meta_only and self._between_stages(ref.name, node):
+                # one element from the stage that holds it, not the whole tensor (nor its
+                # gradient back): a norm's ``type_as(x)`` would otherwise move ``x`` whole
+                needs = {d: Need(tuple((0, min(1, n)) for n in meta.shape), ps[0].piece_id)
+                         for d, ps in by_device.items()}
+            else:
+                needs = {d: Need(tensor_box(bound, tspec, meta.shape, ps[0]), ps[0].piece_id)
+                         for d, ps in by_device.items()}
             names = self._provide(ref.name, needs, node)
             for d, name in names.items():
                 local_inputs[(k, d)] = name
@@ -271,6 +281,10 @@ class Lowering:
         if node.name in self.rerun:
             self.whole.update(names.values())  # (see _finish)
         self.cache[key] = names
+        if self._between_stages(value, node):
+            for d, name in names.items():
+                if d not in self.held[value]:
+                    self.received.setdefault((value, d), name)
         return dict(names)
 
     def _between_stages(self, value: str, node: Node) -> bool:

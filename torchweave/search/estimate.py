@@ -45,12 +45,14 @@ measured on every plan it returns (``SearchResult.estimate_error``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torchweave.ir.graph import Graph
+from torchweave.lower.pieces import piece_info, tensor_box
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
 from torchweave.policies.expert import expert_axis
+from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
 from torchweave.search.timed import Priced
@@ -87,6 +89,13 @@ class Proxy:
     expert_params: int = 0
     """Of ``block_params``, the experts' elements on one rank (their gradients are summed
     over ``dp`` only; the rest of the block's over ``dp · ep``)."""
+    block_comm: float = 0.0
+    rest_comm: float = 0.0
+    """Of ``block_s`` and ``rest_s``, the seconds of communication (tensor-parallel
+    collectives: as long in backward as in forward, unlike compute)."""
+    reads: dict[str, float] = field(default_factory=dict)
+    """Of each value a pipeline cut may carry, the share one rank of the stage after the
+    cut receives under this split (:func:`read_shares`)."""
 
 
 @dataclass(frozen=True)
@@ -139,12 +148,45 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     # search prices it per point instead.
     block = (r4.step_time - r3.step_time) - 28 * pb / bw
     rest = r4.step_time - 4 * (r4.step_time - r3.step_time) - 28 * pr / bw
+    comm3, comm4 = max(r3.comm_time, default=0.0), max(r4.comm_time, default=0.0)
     end = blocks.spans[1][1] - 1
     out = graph.nodes[end].outputs[0]
     boundary = graph.values[out].meta.nbytes
     return Proxy(max(block, 0.0), max(rest, 0.0), m4.activations - m3.activations,
                  max(0, m4.activations - 4 * (m4.activations - m3.activations)), pb, pr,
-                 boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0)
+                 boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0,
+                 min(max(block, 0.0), max(0.0, comm4 - comm3)),
+                 min(max(rest, 0.0), max(0.0, comm4 - 4 * (comm4 - comm3))), read_shares(graph, plan))
+
+
+def read_shares(graph: Graph, plan: Plan) -> dict[str, float]:
+    """Per value that a pipeline cut may carry (made in one numbered block, or outside
+    them, and read in another), the largest share of it one piece of a reader reads under
+    ``plan``. That is what a rank of a later stage receives: lowering moves a value in the
+    layout its readers need, so a value held in shards but read whole (by a
+    column-parallel linear, T5's encoder output in cross-attention) crosses whole."""
+    made = {o: n for n in graph.nodes for o in n.outputs if o}
+    out: dict[str, float] = {}
+    for node in graph.nodes:
+        key = block_of(node.module or "")
+        refs = [(i, r) for i, r in enumerate(node.input_refs())
+                if r.name in made and block_of(made[r.name].module or "") != key]
+        if not refs:
+            continue
+        bound = info(graph, node).bound
+        specs = bound.annotation.inputs
+        trans = plan.transforms(node.name)
+        piece = piece_info(trans, (0,) * len(trans), 0)
+        for i, ref in refs:
+            shape = graph.values[ref.name].meta.shape
+            share = 1.0
+            if i < len(specs) and specs[i].meta_only:  # only its dtype is read
+                share = 0.0
+            elif i < len(specs) and shape:
+                box = tensor_box(bound, specs[i], shape, piece)
+                share = math.prod(b - a for a, b in box) / max(1, math.prod(shape))
+            out[ref.name] = max(out.get(ref.name, 0.0), share)
+    return out
 
 
 def _expert_elements(graph: Graph, blocks: Blocks, devices: int) -> int:
@@ -270,4 +312,4 @@ def _dense_group(pt: Point) -> tuple[int, ...]:
     return tuple(range(0, pt.tp * pt.ep * pt.dp, pt.tp))
 
 
-__all__ = ["Estimate", "Proxy", "estimable", "estimate", "proxy", "sub_cluster"]
+__all__ = ["Estimate", "Proxy", "estimable", "estimate", "proxy", "read_shares", "sub_cluster"]

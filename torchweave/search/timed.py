@@ -54,16 +54,15 @@ class Shares:
     block_b: np.ndarray
     rest_f: np.ndarray
     rest_b: np.ndarray
-    cross: np.ndarray
-    """Per stage ``s``: bytes stage ``s + 1`` receives from earlier stages, of the values
-    with the batch's leading dim (split by the micro-batch), in the compute dtype. As
-    lowering routes them, an op's output passes through every stage up to its last
-    reader; a weight read on two stages goes straight to the later one."""
-    fixed: np.ndarray
-    """Bytes of the other op outputs (a relative-position bias): as the simulator prices
-    them, the step's bytes over ``micro``."""
-    weights: np.ndarray
-    """Bytes of weights read on two stages (tied), also over ``micro``, split over ``tp``."""
+    crossing: tuple[tuple[str, int, tuple[int, ...], int, str], ...]
+    """The values read on a stage after the one that makes them: ``(value, its stage, the
+    later stages that read it, bytes in the compute dtype, kind)``; the kind is ``batch``
+    for an op output with the batch's leading dim (split by the micro-batch), ``fixed``
+    for another op output (a relative-position bias) and ``weight`` for a parameter read
+    on several stages (tied), held by the first. Which boundaries they cross depends on
+    the ranks the stages are on, and how much of each crosses on the split
+    (:meth:`received`)."""
+    stages: int
     block_p: np.ndarray
     rest_p: np.ndarray
     """Each stage's share of the blocks' and of the rest's parameter elements (a parameter
@@ -71,6 +70,25 @@ class Shares:
     params: tuple[tuple[int, ...], ...]
     """Per stage, its parameters' elements in the order backward makes their gradients
     (the reverse of their first reads)."""
+
+    def received(self, pp: int, kind: str, shares: dict[str, float], default: float
+                 ) -> np.ndarray:
+        """Per stage ``t`` (at index ``t − 1``, the boundary it receives over), the step's
+        bytes of ``kind`` one of its ranks receives, each value ``shares[value]`` of its
+        bytes (``default`` where not given). As lowering moves them: straight from the
+        maker's stage group to each other pipeline rank (stage ``t`` on rank ``t % pp``)
+        that reads the value, once, into the first of its stages that does (its later
+        stages read the copy it holds)."""
+        out = np.zeros(self.stages)
+        for name, made, readers, nbytes, k in self.crossing:
+            if k != kind:
+                continue
+            seen = {made % pp}
+            for t in readers:
+                if t % pp not in seen:
+                    seen.add(t % pp)
+                    out[t - 1] += nbytes * shares.get(name, default)
+        return out
 
 
 @dataclass(frozen=True)
@@ -190,6 +208,15 @@ def exposed_sums(run: Run, seconds: np.ndarray) -> np.ndarray:
     return finish - run.step
 
 
+def _with_comm(fwd: np.ndarray, bwd: np.ndarray, comm: float) -> tuple[np.ndarray, np.ndarray]:
+    """Shares of forward and backward seconds per stage when ``comm`` of the seconds are
+    collectives: compute splits as the roofline has it (backward about twice forward),
+    the collectives half and half (each forward all-gather or all-reduce has its mirror
+    in backward)."""
+    half = 0.5 * comm * (fwd + bwd)
+    return (1 - comm) * fwd + half, (1 - comm) * bwd + half
+
+
 class Timing:
     """Per-stage shares of each cut and compiled schedules of one graph, kept across
     the points of a search."""
@@ -221,30 +248,27 @@ class Timing:
                 parts[1 if inside else 3, s] += b
             blk, rest = parts[:2].sum(), parts[2:].sum()
             made = {o: s for n, s in zip(g.nodes, where) for o in n.outputs if o}
-            last: dict[str, int] = {}  # an op's output: passed on by every stage to its last reader
-            tied: set[tuple[str, int]] = set()  # a weight read on several stages: sent straight
-            first: dict[str, int] = {}
+            later: dict[str, list[int]] = defaultdict(list)  # value -> later stages reading it
+            first: dict[str, int] = {}  # parameter -> the stage that holds it
             for n, s in zip(g.nodes, where):
                 for ref in n.input_refs():
                     if ref.name in made:
-                        last[ref.name] = max(last.get(ref.name, -1), s)
+                        if s > made[ref.name] and s not in later[ref.name]:
+                            later[ref.name].append(s)
                     elif g.values[ref.name].kind == "param":
-                        if first.setdefault(ref.name, s) < s:
-                            tied.add((ref.name, s))
-            cross, fixed, split = np.zeros(stages), np.zeros(stages), np.zeros(stages)
-
-            def add(name: str, lo: int, hi: int, weight: bool = False) -> None:
-                """The bytes of ``name`` over boundaries ``lo … hi − 1``."""
+                        if first.setdefault(ref.name, s) < s and s not in later[ref.name]:
+                            later[ref.name].append(s)
+            crossing: list[tuple[str, int, tuple[int, ...], int, str]] = []
+            for name, readers in later.items():
                 meta = g.values[name].meta
-                batched = bool(meta.shape) and meta.shape[0] == self.batch
                 narrow = self.half and meta.dtype == torch.float32  # sent in the compute dtype
-                into = split if weight else cross if batched else fixed
-                into[lo:hi] += meta.nbytes // (2 if narrow else 1)
-
-            for name, s in made.items():
-                add(name, s, last.get(name, s))
-            for name, s in tied:  # each tensor-parallel rank sends its shard
-                add(name, s - 1, s, weight=True)
+                if name in made:
+                    kind = "batch" if meta.shape and meta.shape[0] == self.batch else "fixed"
+                    start = made[name]
+                else:
+                    kind, start = "weight", first[name]
+                crossing.append((name, start, tuple(sorted(readers)),
+                                 meta.nbytes // (2 if narrow else 1), kind))
             held = np.zeros((2, stages))  # parameter elements, the blocks' and the rest's
             params: list[list[int]] = [[] for _ in range(stages)]
             for name, s in reversed(first.items()):
@@ -253,7 +277,7 @@ class Timing:
                 params[s].append(v.meta.numel)
             self._shares[stages] = Shares(parts[0] / (blk or 1), parts[1] / (blk or 1),
                                           parts[2] / (rest or 1), parts[3] / (rest or 1),
-                                          cross, fixed, split,
+                                          tuple(crossing), stages,
                                           held[0] / (held[0].sum() or 1),
                                           held[1] / (held[1].sum() or 1),
                                           tuple(tuple(p) for p in params))
@@ -288,20 +312,24 @@ class Timing:
             for k, (pt, px) in enumerate(cols.values()):
                 f = 1.0 / (pt.dp * pt.micro)
                 whole = n_blocks * px.block_s
-                block_f, block_b = sh.block_f, sh.block_b
+                block_f, block_b = _with_comm(sh.block_f, sh.block_b, px.block_comm / (px.block_s or 1))
+                rest_f, rest_b = _with_comm(sh.rest_f, sh.rest_b, px.rest_comm / (px.rest_s or 1))
                 if pt.recompute == "full":  # the proxy's block holds its forward twice; the
                     # second runs in backward (as the simulator's stage costs have it)
                     scale = 1.0 / (1.0 + block_f.sum())
                     block_f, block_b = block_f * scale, (block_b + block_f) * scale
-                fwd[:, k] = (block_f * whole + sh.rest_f * px.rest_s) * f
-                bwd[:, k] = (block_b * whole + sh.rest_b * px.rest_s) * f
+                fwd[:, k] = (block_f * whole + rest_f * px.rest_s) * f
+                bwd[:, k] = (block_b * whole + rest_b * px.rest_s) * f
                 lat, per_byte = self._link(pt.tp * pt.dp * pt.ep)
-                # bytes a stage's rank receives, as the simulator sizes them: a sequence-split
-                # activation, its shard; a replicated one, a whole copy; a value without the
-                # batch dim, tp shares of the step's bytes per micro-batch
-                acts = sh.cross * f / pt.ep / (pt.tp if pt.sp else 1)
-                hop[:, k] = lat + (acts + sh.fixed * pt.tp / micro
-                                   + sh.weights / (micro * pt.tp * pt.ep)) * per_byte
+                # bytes a stage's rank receives, as the simulator sizes them: of each value,
+                # what one reader's piece reads under the split (a sequence-split residual,
+                # its shard; a value a column-parallel linear reads, a whole copy), per
+                # micro-batch; a value without the batch dim (a relative-position bias) is
+                # not split by it, but sent with each micro-batch: the step's bytes / micro
+                acts = sh.received(pp, "batch", px.reads, 1.0 / (pt.ep * (pt.tp if pt.sp else 1))) * f
+                fixed = sh.received(pp, "fixed", px.reads, 1.0) / micro
+                tied = sh.received(pp, "weight", {}, 1.0 / (pt.tp * pt.ep)) / micro
+                hop[:, k] = lat + (acts + fixed + tied) * per_byte
             run = makespans(self._compiled[key], fwd, bwd, hop)
             sums = np.zeros((pp * virtual, len(cols)))
             for k, (pt, px) in enumerate(cols.values()):
