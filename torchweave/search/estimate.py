@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from torchweave.ir.graph import Graph
-from torchweave.lower.pieces import piece_info, tensor_box
+from torchweave.lower.pieces import tensor_box
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
 from torchweave.policies.expert import expert_axis
@@ -62,6 +62,7 @@ from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.fast.fold import Blocks, cut_stacks
 from torchweave.sim.hardware.memory import model_state_memory
+from torchweave.sim.hardware.profile import first_piece
 from torchweave.sim.simulate import simulate
 
 
@@ -146,17 +147,18 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     pr = max(0, m4.params // each - 4 * pb)
     # The simulator's AdamW pass reads 7 fp32 words per parameter (sim/step/backward.py): the
     # search prices it per point instead.
-    block = (r4.step_time - r3.step_time) - 28 * pb / bw
-    rest = r4.step_time - 4 * (r4.step_time - r3.step_time) - 28 * pr / bw
+    block = max(0.0, (r4.step_time - r3.step_time) - 28 * pb / bw)
+    rest = max(0.0, r4.step_time - 4 * (r4.step_time - r3.step_time) - 28 * pr / bw)
     comm3, comm4 = max(r3.comm_time, default=0.0), max(r4.comm_time, default=0.0)
+    block_comm = min(block, max(0.0, comm4 - comm3))
+    rest_comm = min(rest, max(0.0, comm4 - 4 * (comm4 - comm3)))
     end = blocks.spans[1][1] - 1
     out = graph.nodes[end].outputs[0]
     boundary = graph.values[out].meta.nbytes
-    return Proxy(max(block, 0.0), max(rest, 0.0), m4.activations - m3.activations,
+    return Proxy(block, rest, m4.activations - m3.activations,
                  max(0, m4.activations - 4 * (m4.activations - m3.activations)), pb, pr,
                  boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0,
-                 min(max(block, 0.0), max(0.0, comm4 - comm3)),
-                 min(max(rest, 0.0), max(0.0, comm4 - 4 * (comm4 - comm3))), read_shares(graph, plan))
+                 block_comm, rest_comm, read_shares(graph, plan))
 
 
 def read_shares(graph: Graph, plan: Plan) -> dict[str, float]:
@@ -175,15 +177,15 @@ def read_shares(graph: Graph, plan: Plan) -> dict[str, float]:
             continue
         bound = info(graph, node).bound
         specs = bound.annotation.inputs
-        trans = plan.transforms(node.name)
-        piece = piece_info(trans, (0,) * len(trans), 0)
+        piece = first_piece(plan, node.name)
         for i, ref in refs:
             shape = graph.values[ref.name].meta.shape
+            spec = specs[i] if i < len(specs) else None
             share = 1.0
-            if i < len(specs) and specs[i].meta_only:  # only its dtype is read
+            if spec is not None and spec.meta_only:  # only its dtype is read
                 share = 0.0
-            elif i < len(specs) and shape:
-                box = tensor_box(bound, specs[i], shape, piece)
+            elif spec is not None and shape and piece is not None:
+                box = tensor_box(bound, spec, shape, piece)
                 share = math.prod(b - a for a, b in box) / max(1, math.prod(shape))
             out[ref.name] = max(out.get(ref.name, 0.0), share)
     return out

@@ -62,7 +62,6 @@ class Shares:
     on several stages (tied), held by the first. Which boundaries they cross depends on
     the ranks the stages are on, and how much of each crosses on the split
     (:meth:`received`)."""
-    stages: int
     block_p: np.ndarray
     rest_p: np.ndarray
     """Each stage's share of the blocks' and of the rest's parameter elements (a parameter
@@ -79,7 +78,7 @@ class Shares:
         maker's stage group to each other pipeline rank (stage ``t`` on rank ``t % pp``)
         that reads the value, once, into the first of its stages that does (its later
         stages read the copy it holds)."""
-        out = np.zeros(self.stages)
+        out = np.zeros(len(self.block_f))
         for name, made, readers, nbytes, k in self.crossing:
             if k != kind:
                 continue
@@ -277,7 +276,7 @@ class Timing:
                 params[s].append(v.meta.numel)
             self._shares[stages] = Shares(parts[0] / (blk or 1), parts[1] / (blk or 1),
                                           parts[2] / (rest or 1), parts[3] / (rest or 1),
-                                          tuple(crossing), stages,
+                                          tuple(crossing),
                                           held[0] / (held[0].sum() or 1),
                                           held[1] / (held[1].sum() or 1),
                                           tuple(tuple(p) for p in params))
@@ -324,8 +323,9 @@ class Timing:
                 # bytes a stage's rank receives, as the simulator sizes them: of each value,
                 # what one reader's piece reads under the split (a sequence-split residual,
                 # its shard; a value a column-parallel linear reads, a whole copy), per
-                # micro-batch; a value without the batch dim (a relative-position bias) is
-                # not split by it, but sent with each micro-batch: the step's bytes / micro
+                # micro-batch; a value without the batch dim (a relative-position bias) and a
+                # tied weight, the step's bytes over ``micro``, as the simulator charges them
+                # (the runtime sends them whole with each: docs/simulator.md)
                 acts = sh.received(pp, "batch", px.reads, 1.0 / (pt.ep * (pt.tp if pt.sp else 1))) * f
                 fixed = sh.received(pp, "fixed", px.reads, 1.0) / micro
                 tied = sh.received(pp, "weight", {}, 1.0 / (pt.tp * pt.ep)) / micro
