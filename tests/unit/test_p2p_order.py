@@ -64,7 +64,7 @@ def test_every_pair_sends_and_receives_in_one_order(name: str, plan: str, world_
 
 
 @pytest.mark.parametrize("name,plan,world_size", [
-    ("gpt-tiny", "interleaved", 2), ("gpt-tiny", "interlaced", 2),
+    ("llama-tiny", "interleaved", 4), ("gpt-tiny", "interlaced", 2),
     ("recycler-tiny", "1f1b:micro=4,recycle=3", 2)])
 def test_receives_follow_the_senders_order_where_need_order_differs(name: str, plan: str,
                                                                      world_size: int) -> None:

@@ -289,3 +289,21 @@ def test_a_read_of_dtype_alone_moves_no_tensor_between_stages() -> None:
         crossed = [c.value for c in prog.comms() if c.dst in {b.key for s in prog.segments for b in s.recvs}]
         assert len(crossed) == len(set(crossed)) == len(values), (prog.rank, crossed)
         assert not any((c.consumer, c.value) in meta_only for c in prog.comms()), prog.rank
+
+
+def test_each_stage_that_reads_a_tied_weight_keeps_a_copy() -> None:
+    """gpt-tiny's ``wte`` is read by the embedding (stage 0) and the LM head (stage 1). It
+    used to live on stage 0 alone and cross to stage 1 with every micro-batch (its gradient
+    back with each). Each stage now keeps a copy of the piece it reads, as Megatron-LM keeps
+    the word embedding on its last stage: no step moves it, and one gradient group per
+    piece spans both stages' holders, summed once a step by the bucketed sync."""
+    from torchweave.policies.spec import PlanSpec
+
+    graph = captured("gpt-tiny")
+    plan = PlanSpec.parse("1f1b:tp=2").build(graph, 4)  # stages on [0, 1] and [2, 3]
+    for prog in lower(graph, plan):
+        assert not [c for c in prog.comms() if c.value == "p_wte_weight"], prog.rank
+        (slot,) = [s for s in prog.params if s.path == "wte.weight"]
+        assert slot.grad_groups == ((prog.rank % 2, prog.rank % 2 + 2),)
+        assert slot.replicas == 2  # the gradient norm counts the piece once
+        assert slot.box[0] == ((0, 128) if prog.rank % 2 == 0 else (128, 256))

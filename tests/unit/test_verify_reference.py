@@ -100,3 +100,20 @@ def test_transformers_experts_run_their_float64_loop_in_the_float64_reference() 
     assert case.model.model.config._experts_implementation == "eager"
     assert model.model.config._experts_implementation == impl
     assert torch.isfinite(case.model(*case.inputs))
+
+
+def test_verify_judges_every_copy_of_a_piece_not_the_last_one_written() -> None:
+    """Several ranks hold one piece (data-parallel replicas; each pipeline stage's copy of a
+    tied weight). Verify assembled whole tensors by letting the last rank's piece win, so a
+    copy that drifted on an earlier rank went unseen. Each copy now makes an assembly of
+    its own, and each is compared with one device."""
+    from tests.conftest import captured
+    from torchweave.verify import _assemble
+
+    graph = captured("gpt-tiny")
+    whole = ((0, 256), (0, 64))
+    good, drifted = torch.ones(256, 64), torch.ones(256, 64)
+    drifted[3, 5] = 2.0
+    ranks = [{"wte.weight": (whole, drifted)}, {"wte.weight": (whole, good)}]
+    seen = [a["wte.weight"] for a in _assemble(ranks, graph)]
+    assert len(seen) == 2 and seen[0][3, 5] == 2.0 and seen[1][3, 5] == 1.0
