@@ -210,3 +210,39 @@ def test_the_simulator_orders_actions_by_the_schedules_own_rules(kind, ranks, vi
     assert ours.keys() == theirs.keys()
     for k, (t0, t1) in theirs.items():
         assert ours[k] == pytest.approx((t0, t1)), k
+
+
+def test_a_value_without_the_batch_crosses_whole_with_each_micro_batch(monkeypatch) -> None:
+    """T5's relative-position bias is made on stage 0 from parameters alone and read on
+    later stages. The runtime runs a stage's program once a micro-batch, so the bias crosses
+    whole each time, while a batch-split activation crosses a ``1/micro`` share. A stage's
+    bytes in per micro-batch are ``A / micro + F``: from two micro counts, ``F`` is the
+    bias's whole bytes (it was 0 when every task was divided by the micro count)."""
+    import torchweave.sim.step.pipelined as pipelined
+    from tests.conftest import captured
+    from torchweave.policies.spec import PlanSpec
+    from torchweave.sim import parse_cluster, simulate
+
+    g = captured("t5-tiny")
+    seen = {}
+    real = pipelined.stage_costs
+
+    def spy(plan, costs, recycled=0):
+        seen[plan.pipeline.micro_batches] = out = real(plan, costs, recycled)
+        return out
+
+    monkeypatch.setattr(pipelined, "stage_costs", spy)
+    plans = {m: PlanSpec.parse(f"1f1b:micro={m}").build(g, 4) for m in (2, 4)}
+    for plan in plans.values():
+        simulate(g, plan, parse_cluster("4xA100-80GB-SXM"), timeline=False)
+    stage_of = plans[2].pipeline.stage_of
+    batched = g.batched_values()
+    made = {o: stage_of[n.name] for n in g.nodes for o in n.outputs if o}
+    crossed = 0
+    for s in range(1, 4):  # one stage a rank: each stage that reads a value receives it
+        fixed = {r.name for n in g.nodes for r in n.input_refs()
+                 if made.get(r.name, s) < s == stage_of[n.name] and r.name not in batched}
+        whole = sum(g.values[v].meta.nbytes for v in fixed)
+        assert 2 * seen[4][s].inputs - seen[2][s].inputs == pytest.approx(whole, abs=2), s
+        crossed += whole
+    assert crossed  # the case is there: the decoder's bias crosses into stages 1 and 2

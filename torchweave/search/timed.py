@@ -57,8 +57,8 @@ class Shares:
     crossing: tuple[tuple[str, int, tuple[int, ...], int, str], ...]
     """The values read on a stage after the one that makes them: ``(value, its stage, the
     later stages that read it, bytes in the compute dtype, kind)``; the kind is ``batch``
-    for an op output with the batch's leading dim (split by the micro-batch), ``fixed``
-    for another op output (a relative-position bias) and ``weight`` for a parameter read
+    for an op output made from a graph input (split by the micro-batch), ``fixed``
+    for another op output (a relative-position bias, made from parameters alone) and ``weight`` for a parameter read
     on several stages (tied), held by the first. Which boundaries they cross depends on
     the ranks the stages are on, and how much of each crosses on the split
     (:meth:`received`)."""
@@ -69,6 +69,24 @@ class Shares:
     params: tuple[tuple[int, ...], ...]
     """Per stage, its parameters' elements in the order backward makes their gradients
     (the reverse of their first reads)."""
+    fixed: tuple[tuple[str, int, tuple[int, ...], int], ...] = ()
+    """Floating op outputs without the batch dim (a relative-position bias): ``(value, its
+    stage, every stage with a batch-split op that reads it, bytes in the compute dtype)``.
+    Such a reader's gradient of it is partial over ``dp``. On the pipeline rank that makes
+    it, lowering sums it where it is read, once a micro-batch (docs/simulator.md); other
+    ranks receive it by transfers, whose backward sends their partials to the maker."""
+
+    def fixed_sums(self, pp: int, shares: dict[str, float], default: float,
+                   seconds) -> np.ndarray:
+        """Per stage, the seconds of those sums one micro-batch's backward pays: each value's
+        ``shares[value]`` of its bytes (``default`` where not given), summed by
+        ``seconds(bytes)`` on the first stage of its maker's pipeline rank that reads it."""
+        out = np.zeros(len(self.block_f))
+        for name, made, readers, nbytes in self.fixed:
+            t = next((t for t in readers if t % pp == made % pp), None)
+            if t is not None:
+                out[t] += seconds(int(nbytes * shares.get(name, default)))
+        return out
 
     def received(self, pp: int, kind: str, shares: dict[str, float], default: float
                  ) -> np.ndarray:
@@ -98,9 +116,9 @@ class Priced:
     busy_s: float
     """The busiest rank's compute seconds."""
     sums_s: float | None
-    """How much the gradient sums over ``dp`` add to the step, each stage's starting once
-    its gradients are made (None where the estimate's arithmetic prices them: with ZeRO,
-    whose sums wait for the last action, with expert parallelism, or without ``dp``)."""
+    """How much the gradient sums over ``dp`` and of a tied weight's copies add to the step,
+    each stage's starting once its gradients are made (None where the estimate's arithmetic
+    prices them: with ZeRO, whose sums wait for the last action, or expert parallelism)."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +246,7 @@ class Timing:
         for n in graph.nodes:
             t = op_time(info(graph, n), cluster.device, dtype=dtype or torch.float32)
             self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
+        self._batched = graph.batched_values()  # values a micro-batch splits (as the simulator has them)
         self._shares: dict[int, Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
         self._links: dict[int, tuple[float, float]] = {}
@@ -257,12 +276,21 @@ class Timing:
                     elif g.values[ref.name].kind == "param":
                         if first.setdefault(ref.name, s) < s and s not in later[ref.name]:
                             later[ref.name].append(s)
+            # batch-free value -> the stages of its batch-split readers
+            fixed: dict[str, list[int]] = defaultdict(list)
+            for n, s in zip(g.nodes, where):
+                if not any(o in self._batched for o in n.outputs if o):
+                    continue
+                for ref in n.input_refs():
+                    if ref.name in made and ref.name not in self._batched and \
+                            g.values[ref.name].meta.dtype.is_floating_point and s not in fixed[ref.name]:
+                        fixed[ref.name].append(s)
             crossing: list[tuple[str, int, tuple[int, ...], int, str]] = []
             for name, readers in later.items():
                 meta = g.values[name].meta
                 narrow = self.half and meta.dtype == torch.float32  # sent in the compute dtype
                 if name in made:
-                    kind = "batch" if meta.shape and meta.shape[0] == self.batch else "fixed"
+                    kind = "batch" if name in self._batched else "fixed"
                     start = made[name]
                 else:
                     kind, start = "weight", first[name]
@@ -279,8 +307,15 @@ class Timing:
                                           tuple(crossing),
                                           held[0] / (held[0].sum() or 1),
                                           held[1] / (held[1].sum() or 1),
-                                          tuple(tuple(p) for p in params))
+                                          tuple(tuple(p) for p in params),
+                                          tuple((v, made[v], tuple(sorted(st)), self._nbytes(v))
+                                                for v, st in fixed.items()))
         return self._shares[stages]
+
+    def _nbytes(self, value: str) -> int:
+        """A value's bytes as sent and summed: a float32 one in the compute dtype."""
+        meta = self.graph.values[value].meta
+        return meta.nbytes // (2 if self.half and meta.dtype == torch.float32 else 1)
 
     def _link(self, peer: int) -> tuple[float, float]:
         """(latency, seconds per byte) of a transfer from device 0 to ``peer``, the next
@@ -323,41 +358,50 @@ class Timing:
                 # bytes a stage's rank receives, as the simulator sizes them: of each value,
                 # what one reader's piece reads under the split (a sequence-split residual,
                 # its shard; a value a column-parallel linear reads, a whole copy), per
-                # micro-batch; a value without the batch dim (a relative-position bias) and a
-                # tied weight, the step's bytes over ``micro``, as the simulator charges them
-                # (the runtime sends them whole with each: docs/simulator.md)
+                # micro-batch; a value without the batch dim (a relative-position bias) whole
+                # with each micro-batch. A tied weight crosses no boundary: each stage that
+                # reads it keeps a copy (lower.Lowering._stage_copies)
                 acts = sh.received(pp, "batch", px.reads, 1.0 / (pt.ep * (pt.tp if pt.sp else 1))) * f
-                fixed = sh.received(pp, "fixed", px.reads, 1.0) / micro
-                tied = sh.received(pp, "weight", {}, 1.0 / (pt.tp * pt.ep)) / micro
-                hop[:, k] = lat + (acts + fixed + tied) * per_byte
+                fixed = sh.received(pp, "fixed", px.reads, 1.0)
+                hop[:, k] = lat + (acts + fixed) * per_byte
+                if pt.dp > 1:  # a batch-free value's gradient, summed over dp a micro-batch
+                    group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas
+                    bwd[:, k] += sh.fixed_sums(pp, px.reads, 1.0 / (pt.tp * pt.ep),
+                                               lambda n, g=group: self._all_reduce(n, g))
             run = makespans(self._compiled[key], fwd, bwd, hop)
             sums = np.zeros((pp * virtual, len(cols)))
             for k, (pt, px) in enumerate(cols.values()):
-                if pt.dp > 1 and pt.ep == 1:
-                    sums[:, k] = self._sums(pt, px, sh, n_blocks)
+                if pt.ep == 1:
+                    sums[:, k] = self._tied_sums(pt, sh, pp)
+                    if pt.dp > 1:
+                        sums[:, k] += self._sums(pt, px, sh, n_blocks, pp)
             exposed = exposed_sums(run, sums)
             col = {c: k for k, c in enumerate(cols)}
             for pt, px in members:
                 k = col[(id(px), pt.dp, pt.tp * pt.ep)]
-                overlapped = pt.zero == 0 and pt.dp > 1 and pt.ep == 1
+                overlapped = pt.zero == 0 and pt.ep == 1
                 out[pt] = Priced(float(run.step[k]), float(run.busy[k]),
                                  float(exposed[k]) if overlapped else None)
         return out
 
-    def _sums(self, pt, px, sh: Shares, n_blocks: int) -> np.ndarray:
+    def _sums(self, pt, px, sh: Shares, n_blocks: int, pp: int) -> np.ndarray:
         """Each stage's gradient sum over ``dp`` in seconds (``dp > 1``, no experts): its
         parameters' gradients in the compute dtype (the proxy's bytes on one rank), in
         buckets by the runtime's rule (:class:`~torchweave.sim.step.backward.Buckets`: a
         bucket is summed once it holds 25 MiB, so a larger parameter is a sum of its own)."""
-        key = (id(px), pt.dp, pt.tp, len(sh.block_p))
+        key = (id(px), pt.dp, pt.tp, len(sh.block_p), pp)
         if key not in self._sums_s:
             item = 2 if self.half else 4
             group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
             out = np.zeros(len(sh.block_p))
+            copied = {made: nbytes for made, nbytes in self._copied(sh, pp)}
             for s, sizes in enumerate(sh.params):
                 nbytes = item * (sh.block_p[s] * n_blocks * px.block_params
                                  + sh.rest_p[s] * px.rest_params)
                 scale = nbytes / (sum(sizes) or 1)  # the graph's elements, as one rank holds them
+                if s in copied:  # a tied weight's copies are summed with each other instead
+                    sizes = list(sizes)
+                    sizes.remove(copied[s])
                 buckets, closed = Buckets(BUCKET_BYTES), []
                 for i, n in enumerate(sizes):
                     closed += buckets.add(str(i), (), n * scale)
@@ -365,6 +409,37 @@ class Timing:
                              for _, _, size in closed + buckets.drain() if size)
             self._sums_s[key] = out
         return self._sums_s[key]
+
+    def _tied_sums(self, pt, sh: Shares, pp: int) -> np.ndarray:
+        """Each stage's sums of a tied weight's copies (lower.Lowering._stage_copies): every
+        pipeline rank that reads it keeps a copy of its ``tp`` piece, summed once a step over
+        all holders of that piece, each holder's part once its stage's backward is done."""
+        out = np.zeros(len(sh.block_p))
+        size = pt.tp * pt.dp * pt.ep  # a stage group
+        for name, made, readers, nbytes, kind in sh.crossing:
+            first = self._holders(made, readers, pp) if kind == "weight" else {}
+            if len(first) < 2:
+                continue
+            group = tuple(q * size + j for q in sorted(first) for j in range(0, pt.tp * pt.dp, pt.tp))
+            seconds = self._all_reduce(int(nbytes / (pt.tp * pt.ep)), group)
+            for t in first.values():
+                out[t] += seconds
+        return out
+
+    @staticmethod
+    def _holders(made: int, readers: tuple[int, ...], pp: int) -> dict[int, int]:
+        """Pipeline rank -> its first stage reading a weight (each keeps a copy)."""
+        first: dict[int, int] = {}
+        for t in (made, *readers):
+            first.setdefault(t % pp, t)
+        return first
+
+    def _copied(self, sh: Shares, pp: int) -> list[tuple[int, int]]:
+        """``(stage holding it first, its elements)`` of each weight with copies on other
+        pipeline ranks."""
+        return [(made, self.graph.values[name].meta.numel)
+                for name, made, readers, _, kind in sh.crossing
+                if kind == "weight" and len(self._holders(made, readers, pp)) > 1]
 
     def _all_reduce(self, nbytes: int, group: tuple[int, ...]) -> float:
         if (nbytes, group) not in self._reduce_s:

@@ -121,7 +121,7 @@ def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShap
     if programs is None:
         return None
     builder = Builder(g, sized, cluster, dtype, model, bucket_bytes, profiles=profiles,
-                      resized=shape.keep != shape.dp)
+                      resized=shape.keep != shape.dp, micro=plan.pipeline.micro_batches)
     costs, feet, grads = {}, {}, {}
     for prog in programs:
         ts, feet[prog.rank] = builder.tasks(prog)
@@ -184,6 +184,13 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
 
             shift = (q - q2) * g
 
+            def moved(grp: tuple[int, ...]) -> tuple[int, ...]:
+                """A small rank's group on the full rank: its own pipeline rank's members
+                shifted with it; a tied weight's copies on the first or the last pipeline
+                rank stay on the first or move to the last."""
+                return tuple(d + (shift if d // g == q2 else (pp - pp2) * g if d // g == pp2 - 1
+                                  else 0 if d // g == 0 else shift) for d in grp)
+
             def resum(x: Sums | None, y: Sums | None, nb: float, per: int, coll) -> Sums | None:
                 """Collectives grown with the blocks: as many more, as many more bytes, each
                 costed at its extrapolated size on the full rank's group."""
@@ -192,7 +199,7 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                 x, y = x or Sums(0, 0.0, 0.0, ()), y or Sums(0, 0.0, 0.0, ())
                 count = max(1, round(ex(x.count, y.count, nb, per)))
                 size = ex(x.nbytes, y.nbytes, nb, per)
-                grp = tuple(d + shift for d in (y.group or x.group))
+                grp = moved(y.group or x.group)
                 return Sums(count, size, count * builder.comm(coll, size / count, grp), grp)
 
             sync = Collective.REDUCE_SCATTER if plan.zero >= 2 else Collective.ALL_REDUCE
@@ -216,7 +223,7 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                 if full is not None:
                     syncs, largest = {}, max((size for _, size, _ in full), default=0.0)
                     for grp, size, key in full:
-                        grp = tuple(d + shift for d in grp)
+                        grp = moved(grp)
                         one_sum = Sums(1, size, builder.comm(sync, size, grp), grp)
                         k = (key, grp)
                         syncs[k] = syncs[k] + one_sum if k in syncs else one_sum

@@ -188,11 +188,14 @@ def lift(programs: list[Program], shape: StageShape) -> list[Program] | None:
     def rank(r: int) -> int:
         return r // small * full + r % small
 
-    def group(grp, across: bool = False) -> tuple[int, ...]:
+    def group(grp, across: bool = False, parts: bool = False) -> tuple[int, ...]:
         qs = {r // small for r in grp}
         if len(qs) != 1:
             if across:  # a rank's list of groups: one between stage groups is kept as is
                 return tuple(rank(r) for r in grp)
+            if parts:  # a tied weight's copies on several stage groups: each part lifted
+                return tuple(sorted(d for q in sorted(qs)
+                                    for d in group(tuple(r for r in grp if r // small == q))))
             raise _NotLiftable
         q = qs.pop()
         local = tuple(r % small for r in grp)
@@ -233,7 +236,8 @@ def lift(programs: list[Program], shape: StageShape) -> list[Program] | None:
                         st = replace(st, boxes=tuple((rank(d), b) for d, b in st.boxes))
                     ins = replace(ins, step=st)
                 instrs.append(ins)
-            params = [replace(s, grad_groups=groups(s.grad_groups),
+            params = [replace(s, grad_groups=tuple(dict.fromkeys(group(g, parts=True)
+                                                                 for g in s.grad_groups)),
                               replicas=s.replicas * shape.dp // shape.keep) for s in prog.params]
             out.append(Program(rank(prog.rank), shape.small_pp * full, prog.plan_name,
                                list(dict.fromkeys(group(x, across=True) for x in prog.groups)), params, list(prog.inputs), instrs,

@@ -115,12 +115,16 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
                     at = tuple(grad(o) for o in ins.outputs) + (regathered(v),)
                     out.append(_regather(self, state, nxt, at, r, stage, block))
             out.append(Task(COMPUTE if cost.bwd else LOCAL, f"{ins.node} bwd", waits,
-                            tuple(grad(a) for a in refs), cost.bwd, stage=stage, block=block))
+                            tuple(grad(a) for a in refs),
+                            cost.bwd * (self.per_micro(ins) if stage is not None else 1),
+                            stage=stage, block=block))
             for p in refs:
                 reached(p, idx, block)
         elif isinstance(ins, Comm):
             out.append(_comm_bwd(self, ins, r, nbytes))
             out[-1].stage, out[-1].crossing, out[-1].block = stage, crossing, block
+            if stage is not None:
+                out[-1].dur *= self.per_micro(ins)
             reached(ins.src, idx, block)
     return out
 

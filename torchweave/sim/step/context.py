@@ -43,6 +43,10 @@ class StepContext:
     block_of: dict[str, int] = field(default_factory=dict)
     """Node → the repeated block it is in (``sim/fast/fold.py``), for :mod:`torchweave.sim.fast.folded`;
     tasks carry it (``Task.block``)."""
+    micro: int | None = None
+    """The micro-batch count a stage's batch-free work repeats (:meth:`per_micro`), where the
+    plan's is not the step's (:mod:`torchweave.sim.fast.stagefold`'s small schedules take a
+    count their shape accepts); None: the plan's."""
     costs: dict[str, NodeCost] = field(default_factory=dict)
     saves: dict[str, Saves] = field(default_factory=dict)
     _comm_cache: dict = field(default_factory=dict)
@@ -62,6 +66,8 @@ class StepContext:
         """Co-sharded node → its ``k`` (:mod:`torchweave.lower.coshard`): each chunk is run
         again before its backward, like a recompute group."""
         self.grads = self.graph.grad_values()
+        self.batched = self.graph.batched_values()
+        """Values made from a graph input: a pipeline's micro-batches split their work."""
         """Values that carry a gradient (``Graph.grad_values``): only their ops and
         communication have a backward."""
         for node in self.graph.nodes:
@@ -152,6 +158,23 @@ class StepContext:
             if not steps.devices_of(ins.step) <= set(pipe.devices_of_stage(stage)):
                 return None, True
         return stage, False
+
+    def per_micro(self, ins) -> int:
+        """How many times a step pays ``ins``'s whole work: a pipelined plan lowers for the
+        whole batch and a stage's cost is its tasks over the micro-batch count, which is right
+        for what the batch splits. A value made from parameters and constants alone (T5's
+        relative-position bias, rotary tables, a parameter itself) is made and moved whole
+        with each micro-batch (``runtime/schedule_runner.py`` runs the stage's program once a
+        micro-batch): its tasks count ``micro`` times. 1 outside a pipeline."""
+        pipe = self.plan.pipeline
+        if pipe is None or pipe.micro_batches == 1 or not isinstance(ins, (Compute, Comm)):
+            return 1
+        if isinstance(ins, Comm):
+            made = ins.value in self.batched
+        else:
+            node = self.nodes.get(ins.node)
+            made = node is None or any(o in self.batched for o in node.outputs if o)
+        return 1 if made else (self.micro or pipe.micro_batches)
 
     def block(self, ins) -> int | None:
         """The repeated block an instruction belongs to (None: none, or not asked)."""

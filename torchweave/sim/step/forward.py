@@ -187,15 +187,19 @@ def _zero3_units(ctx: StepContext, state: RankForward) -> None:
 def _tag(ctx: StepContext, tasks: list[Task], mark: int, ins, r: int, nbytes,
          foot: Footprint) -> None:
     """Stage and block of the tasks made for ``ins``; a transfer's bytes count into the
-    boundary of the stage that receives it."""
+    boundary of the stage that receives it. Work a micro-batch does not split counts once
+    a micro-batch (:meth:`StepContext.per_micro`)."""
     stage, crossing = ctx.stage(ins)
+    m = ctx.per_micro(ins)
     if crossing and any(t.dst == r for t in ins.step.transfers):
         into = ctx.stage_of.get(ins.consumer)
         if into is not None:
-            foot.boundary[into] = foot.boundary.get(into, 0.0) + nbytes.get(ins.dst, 0.0)
+            foot.boundary[into] = foot.boundary.get(into, 0.0) + m * nbytes.get(ins.dst, 0.0)
     block = ctx.block(ins)
     for t in tasks[mark:]:
         t.stage, t.crossing, t.block = stage, crossing, block
+        if stage is not None:
+            t.dur *= m
 
 
 def _storages(ctx: StepContext, ins: Compute, refs: list[str], root: dict[str, str],
