@@ -75,6 +75,9 @@ CASES = {
     4: [("gpt-tiny", "1f1b"), ("gpt-tiny", "interleaved"), ("gpt-tiny", "zb"),
         ("gpt-tiny", "1f1b:tp=2"), ("llama-tiny", "1f1b:tp=2,split=sequence"),
         ("t5-tiny", "1f1b:tp=2,split=sequence"),
+        # a tied embedding and LM head on two stages, each keeping a copy, with ZeRO-2
+        # sharding the rest (the copies are summed across stages, not by ZeRO)
+        ("hf-gpt2-tiny", "1f1b:dp=2,zero=2"),
         ("gpt-tiny", "gpipe:dp=2,zero=1"), ("llama-tiny", "interlaced"), ("t5-tiny", "interlaced"),
         ("recycler-tiny", "1f1b:tp=2,recycle=3"), ("recycler-tiny", "interleaved:micro=4,recycle=2"),
         ("gpt-tiny", "interleaved:dp=2+buckets")],

@@ -46,6 +46,7 @@ def test_expert_points_are_priced_by_a_proxy_planned_with_ep() -> None:
     from torchweave.policies.spec import PlanSpec
     from torchweave.search.estimate import estimate, proxy
     from torchweave.search.space import Point
+    from torchweave.search.timed import Timing
     from torchweave.sim.fast.fold import find_blocks
     from torchweave.sim.simulate import simulate
 
@@ -64,7 +65,11 @@ def test_expert_points_are_priced_by_a_proxy_planned_with_ep() -> None:
         px = proxy(g, blocks, cluster, pt.tp, False, "none", dtype=torch.bfloat16,
                    precision="bf16-mixed", ep=pt.ep)
         assert 0 < px.expert_params < px.block_params
-        est = estimate(pt, px, cluster, len(blocks), precision="bf16-mixed")
+        # a pipelined point, as the search prices it: its schedule on its stages' costs
+        timed = Timing(g, blocks, cluster, torch.bfloat16, 64).price([(pt, px)], len(blocks)) \
+            if pt.pp > 1 else {}
+        est = estimate(pt, px, cluster, len(blocks), precision="bf16-mixed",
+                       schedule_s=timed.get(pt))
         sim = simulate(g, PlanSpec.parse(pt.spec).build(g, 16), cluster, dtype=torch.bfloat16,
                        timeline=False)
         assert abs(est.step_s / sim.step_time - 1) < 0.05, (pt.spec, est, sim.step_time)

@@ -130,7 +130,8 @@ class Lowering:
         return out, by_device
 
     def _plan_params(self) -> None:
-        """Where each parameter lives (its first reader's pieces), and whether its
+        """Where each parameter lives (its first reader's pieces, and in a pipeline a copy
+        on each other rank that reads it: ``_stage_copies``), and whether its
         gradient sum can wait for the bucketed sync: only when every reader
         needs no communication and sums over the same groups. Otherwise each
         reader's path sums its own gradients in backward, so that partial and
@@ -190,15 +191,22 @@ class Lowering:
             return None
         # a device's gradient adds every reader's piece it runs: holders of one box whose
         # sets of pieces differ are summed together (sums.sum_groups, over the readers at once)
+        if not (v.kind == "param" and v.requires_grad):
+            return full, ()  # no gradient: each copy is the model's own tensor, never summed
         ids: dict[int, set] = {}
         for i, needs in enumerate(all_needs):
             for d, n in needs.items():
                 ids.setdefault(d, set()).add((i, n.piece_id))
         groups = sum_groups({d: Need(full[d].box, frozenset(ids[d])) for d in full})
-        # every holder is summed, and with a holder of each copy (else copies would drift)
+        # every holder is summed, with a holder of each copy (else copies would drift), and
+        # no reader's piece twice (a replicated reader's whole contribution on two members)
         if not groups or {d for g in groups for d in g} != set(full) or \
                 any(not set(g) & b for g in groups for b in blocks):
             return None
+        for g in groups:
+            pieces = [x for d in g for x in ids[d]]
+            if len(pieces) != len(set(pieces)):
+                return None
         return full, groups
 
     def _node(self, node: Node) -> None:
@@ -357,7 +365,7 @@ class Lowering:
                 replicas = sum(1 for q in held.values() if q.box == piece.box)
                 self.programs[d].params.append(ParamSlot(
                     name, v.target, piece.box, v.meta.shape, v.requires_grad,
-                    v.kind == "buffer", groups, replicas, v.part))
+                    v.kind == "buffer", groups, replicas, v.part, name in self.copied))
         loss = self.graph.loss
         if loss is not None:
             held = self.held[loss]

@@ -98,6 +98,10 @@ class ParamSlot:
     """For a parameter that is a slice of a module tensor (:attr:`Value.part
     <torchweave.ir.graph.Value.part>`): ``(module path, dim, start)``; ``path`` then names the
     slice, and ``box`` is within it."""
+    copied: bool = False
+    """A copy kept on each pipeline rank that reads it (a tied embedding and LM head:
+    ``Lowering._stage_copies``): its gradient group spans stage groups, so its sum waits
+    for the schedule's end (``runtime/schedule_runner.py``)."""
 
 
 @dataclass(frozen=True)
@@ -244,3 +248,17 @@ class Program:
 
     def computes(self) -> list[Compute]:
         return [i for i in self.instrs if isinstance(i, Compute)]
+
+
+def zero_members(slots, rank: int, pipeline=None) -> tuple[int, ...]:
+    """The group a ZeRO plan shards ``rank``'s pieces over: the largest gradient group of its
+    parameter pieces, leaving out a group that spans several of ``pipeline``'s stage groups
+    (a tied weight's copies, summed over every stage that holds them: the runtime's ZeRO
+    owns only the pieces of its mesh group, ``runtime/zero.py``). ``()`` where none."""
+    where = {d: k for k, g in enumerate(pipeline.groups) for d in g} if pipeline is not None else {}
+    out: tuple[int, ...] = ()
+    for s in slots:
+        for g in s.grad_groups:
+            if rank in g and len(g) > len(out) and len({where.get(d) for d in g}) == 1:
+                out = tuple(g)
+    return out

@@ -139,8 +139,11 @@ class PipelineModule(RankModule):
         """Per action of this rank: the parameter pieces whose gradient is complete once it ran.
 
         A piece is final after the last ``B`` or ``W`` of every stage (on this
-        rank) whose code reads it; one that no stage reads, after the first action.
-        """
+        rank) whose code reads it; one that no stage reads, after the first action. A tied
+        weight's copy (``ParamSlot.copied``) is in none: its sum, over other stage groups,
+        starts in ``GradSync.finish`` once this rank's sends are done, so that no collective
+        across stages waits on a transfer this rank has yet to make (its bucket is the last
+        one: the weight is the first a stage reads)."""
         local = {slot.local: self.params[slot.path] for slot in self.program.params if slot.path in self.params}
         last = {a.stage: i for i, a in enumerate(self.program.actions) if a.kind in (Kind.B, Kind.W)}
         done: dict[int, int] = {}  # id of a piece -> index of the action after which it is final
@@ -148,9 +151,12 @@ class PipelineModule(RankModule):
             for name in {n for ins in seg.instrs for n in reads(ins) if n in local}:
                 done[id(local[name])] = max(done.get(id(local[name]), 0), last.get(s, 0))
         final: list[list[torch.Tensor]] = [[] for _ in self.program.actions]
+        late = {id(self.params[slot.path]) for slot in self.program.params
+                if slot.copied and slot.path in self.params}
         if final:
             for p, _ in self.trainable:
-                final[done.get(id(p), 0)].append(p)
+                if id(p) not in late:
+                    final[done.get(id(p), 0)].append(p)
         return final
 
     # ------------------------------------------------------------ one step

@@ -97,6 +97,10 @@ class Proxy:
     reads: dict[str, float] = field(default_factory=dict)
     """Of each value a pipeline cut may carry, the share one rank of the stage after the
     cut receives under this split (:func:`read_shares`)."""
+    tied: int = 0
+    """Elements of the parameters read both before the blocks and after them (a tied
+    embedding and LM head): in a pipeline the first and the last stage each keep a copy,
+    summed between them once a step (``lower.Lowering._stage_copies``)."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,20 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     return Proxy(block, rest, m4.activations - m3.activations,
                  max(0, m4.activations - 4 * (m4.activations - m3.activations)), pb, pr,
                  boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0,
-                 block_comm, rest_comm, read_shares(graph, plan))
+                 block_comm, rest_comm, read_shares(graph, plan), _tied(graph, blocks))
+
+
+def _tied(graph: Graph, blocks: Blocks) -> int:
+    """Elements of the parameters read both before the first block and after the last."""
+    first, end = blocks.spans[0][0], blocks.spans[-1][1]
+    sides: dict[str, set[bool]] = {}
+    for i, node in enumerate(graph.nodes):
+        if first <= i < end:
+            continue
+        for r in node.input_refs():
+            if graph.values[r.name].kind == "param":
+                sides.setdefault(r.name, set()).add(i >= end)
+    return sum(graph.values[v].meta.numel for v, s in sides.items() if len(s) == 2)
 
 
 def read_shares(graph: Graph, plan: Plan) -> dict[str, float]:
@@ -277,6 +294,12 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         hop = px.boundary_bytes * f / (max(pt.tp, 1) * pt.ep)
         link = cluster.inter if pt.tp * pt.dp * pt.ep >= cluster.devices_per_node else cluster.intra
         p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
+    if pt.pp > 1 and px.tied and (schedule_s is None or schedule_s.sums_s is None):
+        # the tied copies' sum between the first and the last stage (timed.py prices it
+        # among the stages' sums where those overlap the schedule)
+        size = pt.tp * pt.dp * pt.ep
+        ends = tuple(q * size + j for q in (0, pt.pp - 1) for j in range(0, size, pt.tp))
+        sync += _seconds(cluster, Collective.ALL_REDUCE, item * px.tied / (pt.tp * pt.ep), ends)
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
     shard = 4 * elems / (pt.dp if pt.zero >= 1 else 1)  # AdamW's fp32 words
     opt = 7 * shard / bw

@@ -40,6 +40,7 @@ from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import op_time
 from torchweave.sim.step.backward import Buckets
+from torchweave.sim.step.context import batched_values
 
 WEIGHT_SHARE = 0.5
 """A split backward's weight-gradient share (``StageCost.weight_share``'s default)."""
@@ -57,15 +58,17 @@ class Shares:
     crossing: tuple[tuple[str, int, tuple[int, ...], int, str], ...]
     """The values read on a stage after the one that makes them: ``(value, its stage, the
     later stages that read it, bytes in the compute dtype, kind)``; the kind is ``batch``
-    for an op output made from a graph input (split by the micro-batch), ``fixed``
-    for another op output (a relative-position bias, made from parameters alone) and ``weight`` for a parameter read
-    on several stages (tied), held by the first. Which boundaries they cross depends on
-    the ranks the stages are on, and how much of each crosses on the split
-    (:meth:`received`)."""
+    for an op output made from a graph input (split by the micro-batch), ``fixed`` for
+    another op output (a relative-position bias, made from parameters alone) and ``weight``
+    for a parameter read on several stages (tied). Which boundaries a value crosses depends
+    on the ranks the stages are on, and how much of it on the split (:meth:`received`). A
+    weight crosses none: each pipeline rank that reads it keeps a copy, summed with the
+    others once a step (``Timing._tied_sums``)."""
     block_p: np.ndarray
     rest_p: np.ndarray
     """Each stage's share of the blocks' and of the rest's parameter elements (a parameter
-    is held by the stage that reads it first, as the pipeline policy places it)."""
+    counted on the stage that reads it first, as the pipeline policy places it; a tied
+    weight's copies on later stages are not counted)."""
     params: tuple[tuple[int, ...], ...]
     """Per stage, its parameters' elements in the order backward makes their gradients
     (the reverse of their first reads)."""
@@ -246,7 +249,7 @@ class Timing:
         for n in graph.nodes:
             t = op_time(info(graph, n), cluster.device, dtype=dtype or torch.float32)
             self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
-        self._batched = graph.batched_values()  # values a micro-batch splits (as the simulator has them)
+        self._batched = batched_values(graph)  # values a micro-batch splits (as the simulator has them)
         self._shares: dict[int, Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
         self._links: dict[int, tuple[float, float]] = {}
@@ -364,8 +367,9 @@ class Timing:
                 acts = sh.received(pp, "batch", px.reads, 1.0 / (pt.ep * (pt.tp if pt.sp else 1))) * f
                 fixed = sh.received(pp, "fixed", px.reads, 1.0)
                 hop[:, k] = lat + (acts + fixed) * per_byte
-                if pt.dp > 1:  # a batch-free value's gradient, summed over dp a micro-batch
-                    group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas
+                if pt.dp * pt.ep > 1:  # a batch-free value's gradient, summed a micro-batch
+                    # over the ranks the batch is split over (rank 0's, tp innermost)
+                    group = tuple(range(0, pt.tp * pt.ep * pt.dp, pt.tp))
                     bwd[:, k] += sh.fixed_sums(pp, px.reads, 1.0 / (pt.tp * pt.ep),
                                                lambda n, g=group: self._all_reduce(n, g))
             run = makespans(self._compiled[key], fwd, bwd, hop)
@@ -394,14 +398,15 @@ class Timing:
             item = 2 if self.half else 4
             group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
             out = np.zeros(len(sh.block_p))
-            copied = {made: nbytes for made, nbytes in self._copied(sh, pp)}
+            copied = self._copied(sh, pp)
             for s, sizes in enumerate(sh.params):
                 nbytes = item * (sh.block_p[s] * n_blocks * px.block_params
                                  + sh.rest_p[s] * px.rest_params)
                 scale = nbytes / (sum(sizes) or 1)  # the graph's elements, as one rank holds them
-                if s in copied:  # a tied weight's copies are summed with each other instead
-                    sizes = list(sizes)
-                    sizes.remove(copied[s])
+                sizes = list(sizes)
+                for made, numel in copied:  # a tied weight's copies are summed with each other
+                    if made == s and numel in sizes:
+                        sizes.remove(numel)
                 buckets, closed = Buckets(BUCKET_BYTES), []
                 for i, n in enumerate(sizes):
                     closed += buckets.add(str(i), (), n * scale)
@@ -420,7 +425,8 @@ class Timing:
             first = self._holders(made, readers, pp) if kind == "weight" else {}
             if len(first) < 2:
                 continue
-            group = tuple(q * size + j for q in sorted(first) for j in range(0, pt.tp * pt.dp, pt.tp))
+            group = tuple(q * size + j for q in sorted(first)
+                          for j in range(0, pt.tp * pt.ep * pt.dp, pt.tp))
             seconds = self._all_reduce(int(nbytes / (pt.tp * pt.ep)), group)
             for t in first.values():
                 out[t] += seconds

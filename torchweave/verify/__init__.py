@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -122,7 +123,8 @@ def _worst(runs: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for diffs in runs:
         for path, d in diffs.items():
-            out[path] = max(out.get(path, d), d)
+            prev = out.get(path, d)
+            out[path] = d if math.isnan(d) or d > prev else prev  # a NaN is never hidden
     return out
 
 

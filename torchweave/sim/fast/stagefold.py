@@ -202,6 +202,8 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                 grp = moved(y.group or x.group)
                 return Sums(count, size, count * builder.comm(coll, size / count, grp), grp)
 
+            # ZeRO-2 reduce-scatters what it owns; a tied weight's copies (a group across
+            # stage groups) are all-reduced
             sync = Collective.REDUCE_SCATTER if plan.zero >= 2 else Collective.ALL_REDUCE
             syncs = {}
             for key in a.syncs.keys() | b.syncs.keys():
@@ -209,7 +211,7 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                 full_stages = frozenset(to_full[s] for s in stages)
                 nb = sum(n[s] for s in full_stages) if stages else blocks
                 got = resum(a.syncs.get(key), b.syncs.get(key), nb, len(stages) if stages else v,
-                            sync)
+                            sync if len({d // g for d in grp}) == 1 else Collective.ALL_REDUCE)
                 syncs[(full_stages, got.group)] = got
             largest = max([two.feet[r2].bucket]
                           + [x.nbytes for x in syncs.values() if x.count == 1])
@@ -224,7 +226,8 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                     syncs, largest = {}, max((size for _, size, _ in full), default=0.0)
                     for grp, size, key in full:
                         grp = moved(grp)
-                        one_sum = Sums(1, size, builder.comm(sync, size, grp), grp)
+                        coll = sync if len({d // g for d in grp}) == 1 else Collective.ALL_REDUCE
+                        one_sum = Sums(1, size, builder.comm(coll, size, grp), grp)
                         k = (key, grp)
                         syncs[k] = syncs[k] + one_sum if k in syncs else one_sum
             c = RankCosts(

@@ -227,12 +227,13 @@ def profile_graph(graph: Graph, plan: Plan, profiles: OpProfiles, *,
     each rank's parameters (lowered programs), on ``device``; returns how many entries
     were timed. ``profiles.device`` should name that device: keys do not."""
     from torchweave.lower.lower import lower
+    from torchweave.lower.program import zero_members
 
     done = 0
     for prog in lower(graph, plan):
         local = [math.prod(b - a for a, b in s.box) for s in prog.params
                  if s.requires_grad and not s.is_buffer]
-        dp = max((len(g) for s in prog.params for g in s.grad_groups if prog.rank in g), default=1)
+        dp = max(1, len(zero_members(prog.params, prog.rank, plan.pipeline)))
         numels = [sum(local) // dp] if plan.zero >= 1 else local
         done += profile_optimizer(numels, profiles, reps=reps, device=device)
     for node in graph.nodes:

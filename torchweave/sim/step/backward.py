@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from torchweave.lower import steps
-from torchweave.lower.program import Comm, Compute
+from torchweave.lower.program import Comm, Compute, zero_members
 from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.hardware.profile import optimizer_key
 from torchweave.sim.step.context import StepContext
@@ -143,8 +143,11 @@ def place_syncs(self: StepContext, tasks: list[Task], foot: Footprint, inputs: S
     out: list[Task] = []
     waits: dict = {}  # a marker's name -> what its sum waits for
 
+    sharded = zero_members(params.values(), rank, self.plan.pipeline) if zero else ()
+
     def flush(grp: tuple, names: list[str], size: float) -> None:
-        coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
+        # ZeRO-2 reduce-scatters what it owns; a tied weight's copies are all-reduced
+        coll = Collective.REDUCE_SCATTER if zero >= 2 and grp == sharded else Collective.ALL_REDUCE
         n = count[grp] = count.get(grp, 0) + 1
         foot.temporaries = max(foot.temporaries, int(size))
         foot.bucket = max(foot.bucket, int(size))
@@ -165,9 +168,10 @@ def place_syncs(self: StepContext, tasks: list[Task], foot: Footprint, inputs: S
     for done in buckets.drain():
         flush(*done)
     local = sum(inputs.nbytes[p] for p in params)
-    dp = max((len(mine(s.grad_groups, rank)) for s in params.values() if s.grad_groups),
-             default=1)
-    shard = local / dp if zero >= 1 else local
+    dp = max(1, len(sharded))
+    kept = sum(inputs.nbytes[p] for p, s in params.items()  # not ZeRO's: a tied weight's copy
+               if s.grad_groups and not any(tuple(g) == sharded for g in s.grad_groups))
+    shard = (local - kept) / dp + kept if zero >= 1 else local
     bw = self.cluster.device.memory_bandwidth * self.model.bandwidth
     t_opt = 7 * shard / bw
     if self.profiles is not None:  # ZeRO steps one flat shard; else one tensor per parameter
@@ -177,11 +181,11 @@ def place_syncs(self: StepContext, tasks: list[Task], foot: Footprint, inputs: S
         t_opt = t_opt[0]
     out.append(Task(COMPUTE, "optimizer (AdamW)", tuple(synced), (OPTIMIZER,), t_opt))
     if 1 <= zero <= 2 and dp > 1:
-        grp = next(mine(s.grad_groups, rank) for s in params.values() if s.grad_groups)
+        grp, gathered = sharded, local - kept
         out.append(Task(COMM, "all_gather params", (OPTIMIZER,), (),
-                        self.comm(Collective.ALL_GATHER, local, grp),
+                        self.comm(Collective.ALL_GATHER, gathered, grp),
                         Rendezvous(Meet.PARAM_GATHER, None, grp), self.meet_of(grp),
-                        nbytes=int(local)))
+                        nbytes=int(gathered)))
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 
 from torchweave.errors import Problem, SimError
 from torchweave.ir.graph import Graph
-from torchweave.lower.program import Program
+from torchweave.lower.program import Program, zero_members
 from torchweave.plan.plan import Plan
 from torchweave.plan.recycle import resolve_links
 from torchweave.sim.explain.result import Event, MemoryUse, OutOfMemory, Replicas, SimResult
@@ -186,8 +186,7 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
 def zero_group(plan: Plan, prog: Program, rank: int) -> int:
     if not plan.zero:
         return 1
-    sizes = [len(g) for s in prog.params for g in s.grad_groups if rank in g]
-    return max(sizes, default=1)
+    return max(1, len(zero_members(prog.params, rank, plan.pipeline)))
 
 
 def tokens_of(graph: Graph) -> int:
