@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from torchweave.ir.graph import Graph
-from torchweave.lower.pieces import tensor_box
+from torchweave.lower.pieces import node_pieces, tensor_box
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
 from torchweave.policies.expert import expert_axis
@@ -101,6 +101,10 @@ class Proxy:
     """Elements of the parameters read both before the blocks and after them (a tied
     embedding and LM head): in a pipeline the first and the last stage each keep a copy,
     summed between them once a step (``lower.Lowering._stage_copies``)."""
+    tied_copied: bool = True
+    """Whether those readers read the same piece on each rank under this split, as lowering
+    needs to copy the weight; where not (a solved split that shards the embedding and
+    the head differently), lowering sends it whole with every micro-batch instead."""
 
 
 @dataclass(frozen=True)
@@ -162,20 +166,29 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     return Proxy(block, rest, m4.activations - m3.activations,
                  max(0, m4.activations - 4 * (m4.activations - m3.activations)), pb, pr,
                  boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0,
-                 block_comm, rest_comm, read_shares(graph, plan), _tied(graph, blocks))
+                 block_comm, rest_comm, read_shares(graph, plan), *_tied(graph, blocks, plan))
 
 
-def _tied(graph: Graph, blocks: Blocks) -> int:
-    """Elements of the parameters read both before the first block and after the last."""
+def _tied(graph: Graph, blocks: Blocks, plan: Plan) -> tuple[int, bool]:
+    """Elements of the parameters read both before the first block and after the last, and
+    whether every such reader reads the same piece of them on each rank under ``plan``."""
     first, end = blocks.spans[0][0], blocks.spans[-1][1]
     sides: dict[str, set[bool]] = {}
+    boxes: dict[str, set] = {}
     for i, node in enumerate(graph.nodes):
         if first <= i < end:
             continue
-        for r in node.input_refs():
-            if graph.values[r.name].kind == "param":
-                sides.setdefault(r.name, set()).add(i >= end)
-    return sum(graph.values[v].meta.numel for v, s in sides.items() if len(s) == 2)
+        bound = info(graph, node).bound
+        for r, spec in zip(node.input_refs(), bound.annotation.inputs):
+            if graph.values[r.name].kind != "param" or spec.meta_only:
+                continue
+            sides.setdefault(r.name, set()).add(i >= end)
+            shape = graph.values[r.name].meta.shape
+            boxes.setdefault(r.name, set()).add(tuple(sorted(
+                (p.device, tensor_box(bound, spec, shape, p)) for p in node_pieces(plan, node.name))))
+    tied = [v for v, s in sides.items() if len(s) == 2]
+    return (sum(graph.values[v].meta.numel for v in tied),
+            all(len(boxes[v]) == 1 for v in tied))
 
 
 def read_shares(graph: Graph, plan: Plan) -> dict[str, float]:
@@ -294,7 +307,7 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         hop = px.boundary_bytes * f / (max(pt.tp, 1) * pt.ep)
         link = cluster.inter if pt.tp * pt.dp * pt.ep >= cluster.devices_per_node else cluster.intra
         p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
-    if pt.pp > 1 and px.tied and (schedule_s is None or schedule_s.sums_s is None):
+    if pt.pp > 1 and px.tied and px.tied_copied and (schedule_s is None or schedule_s.sums_s is None):
         # the tied copies' sum between the first and the last stage (timed.py prices it
         # among the stages' sums where those overlap the schedule)
         size = pt.tp * pt.dp * pt.ep

@@ -366,7 +366,13 @@ class Timing:
                 # reads it keeps a copy (lower.Lowering._stage_copies)
                 acts = sh.received(pp, "batch", px.reads, 1.0 / (pt.ep * (pt.tp if pt.sp else 1))) * f
                 fixed = sh.received(pp, "fixed", px.reads, 1.0)
-                hop[:, k] = lat + (acts + fixed) * per_byte
+                # a tied weight its readers read differently: sent with every micro-batch
+                tied = 0.0 if px.tied_copied else sh.received(pp, "weight", {}, 1.0 / (pt.tp * pt.ep))
+                hop[:, k] = lat + (acts + fixed + tied) * per_byte
+                if not px.tied_copied and pt.tp > 1:  # and its gradient summed over tp with
+                    for _, made, _, nbytes, kind in sh.crossing:  # each, where it is held
+                        if kind == "weight":
+                            bwd[made, k] += self._all_reduce(nbytes, tuple(range(pt.tp)))
                 if pt.dp * pt.ep > 1:  # a batch-free value's gradient, summed a micro-batch
                     # over the ranks the batch is split over (rank 0's, tp innermost)
                     group = tuple(range(0, pt.tp * pt.ep * pt.dp, pt.tp))
@@ -376,9 +382,10 @@ class Timing:
             sums = np.zeros((pp * virtual, len(cols)))
             for k, (pt, px) in enumerate(cols.values()):
                 if pt.ep == 1:
-                    sums[:, k] = self._tied_sums(pt, sh, pp)
+                    if px.tied_copied:
+                        sums[:, k] = self._tied_sums(pt, sh, pp)
                     if pt.dp > 1:
-                        sums[:, k] += self._sums(pt, px, sh, n_blocks, pp)
+                        sums[:, k] += self._sums(pt, px, sh, n_blocks, pp if px.tied_copied else 0)
             exposed = exposed_sums(run, sums)
             col = {c: k for k, c in enumerate(cols)}
             for pt, px in members:
@@ -398,7 +405,7 @@ class Timing:
             item = 2 if self.half else 4
             group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
             out = np.zeros(len(sh.block_p))
-            copied = self._copied(sh, pp)
+            copied = self._copied(sh, pp) if pp else []  # pp 0: no copies
             for s, sizes in enumerate(sh.params):
                 nbytes = item * (sh.block_p[s] * n_blocks * px.block_params
                                  + sh.rest_p[s] * px.rest_params)
