@@ -138,7 +138,7 @@ def test_a_coshard_that_reads_a_tied_weight_sums_its_gradient_as_the_plain_plan_
         validate(plan, graph)
         low = Lowering(graph, plan)
         low.run()
-        # each stage keeps a copy, summed over both stages (lower.Lowering._stage_copies)
+        # each stage keeps a copy, summed over both stages (lower/copies.py)
         seen[coshard] = (low.defer["p_wte_weight"], sorted(low.held["p_wte_weight"]),
                          low.param_grad["p_wte_weight"])
     assert seen[True] == seen[False] == (True, [0, 1], ((0, 1),))

@@ -15,7 +15,7 @@ from torchweave.lower.check import check_program
 from torchweave.lower.coshard import coshard_key, coshard_regions, coshare_id, lower_region
 from torchweave.lower.defer import defer_replicated_sums, read_kind
 from torchweave.lower.derive import Need, derive, point_to_point
-from torchweave.lower.sums import sum_groups
+from torchweave.lower.copies import stage_copies
 from torchweave.lower.loss import count_from_inputs, keep_loss_partial
 from torchweave.lower.pieces import (
     PieceInfo, local_call, node_pieces, output_piece, tensor_box,
@@ -50,7 +50,7 @@ class Lowering:
         self.param_grad: dict[str, tuple[Group, ...]] = {}
         self.param_needs: dict[str, dict[int, Piece]] = {}
         self.copied: set[str] = set()
-        """Parameters each pipeline stage that reads them keeps a copy of (``_stage_copies``)."""
+        """Parameters each pipeline stage that reads them keeps a copy of (``lower/copies.py``)."""
         self.counter = 0
         self.layouts: dict[str, Layout] = {}
         self.producer = {o: n.name for n in graph.nodes for o in n.outputs if o}
@@ -131,7 +131,7 @@ class Lowering:
 
     def _plan_params(self) -> None:
         """Where each parameter lives (its first reader's pieces, and in a pipeline a copy
-        on each other rank that reads it: ``_stage_copies``), and whether its
+        on each other rank that reads it: ``lower/copies.py``), and whether its
         gradient sum can wait for the bucketed sync: only when every reader
         needs no communication and sums over the same groups. Otherwise each
         reader's path sums its own gradients in backward, so that partial and
@@ -147,7 +147,7 @@ class Lowering:
         for name, all_needs in readers.items():
             held = {d: Piece(n.box) for d, n in all_needs[0].items()}
             shape = self.graph.values[name].meta.shape
-            copies = self._stage_copies(name, shape, held, all_needs)
+            copies = stage_copies(self.graph, self.plan, name, held, all_needs)
             if copies is not None:
                 held, self.param_grad[name] = copies
                 self.copied.add(name)
@@ -160,54 +160,6 @@ class Lowering:
             self.held[name] = held
             for d in held:
                 self.local[(name, d)] = name
-
-    def _stage_copies(self, name: str, shape: tuple[int, ...], held: dict[int, Piece],
-                      all_needs: list[dict[int, Need]]):
-        """Where a pipeline's later stages read a parameter its first reader's stage holds (a
-        tied embedding and LM head, a shared embedding of an encoder and a decoder), each of
-        those stages' devices keeps a copy of the piece it reads, as Megatron-LM keeps the word
-        embedding on its last stage: nothing moves with each micro-batch, and one sum over every
-        holder of a piece, in the bucketed gradient sync, makes their gradients equal.
-
-        ``(held, gradient groups)``, or ``None`` where the readers do not allow it (a reader
-        that shares some devices with another but not all; a piece that then still needs a
-        step; holders that cannot be grouped evenly; a buffer written in place)."""
-        v = self.graph.values[name]
-        if self.plan.pipeline is None or len(all_needs) < 2 or (
-                v.kind == "buffer" and name in self.graph.meta.get("mutated_buffers", ())):
-            return None
-        full, blocks = dict(held), [set(held)]
-        for needs in all_needs[1:]:
-            inside = [d in full for d in needs]
-            if all(inside):
-                continue
-            if any(inside):
-                return None
-            full.update({d: Piece(n.box) for d, n in needs.items()})
-            blocks.append(set(needs))
-        if len(blocks) == 1:
-            return None
-        if any(derive(shape, full, needs, defer_grad_sum=True).steps for needs in all_needs):
-            return None
-        # a device's gradient adds every reader's piece it runs: holders of one box whose
-        # sets of pieces differ are summed together (sums.sum_groups, over the readers at once)
-        if not (v.kind == "param" and v.requires_grad):
-            return full, ()  # no gradient: each copy is the model's own tensor, never summed
-        ids: dict[int, set] = {}
-        for i, needs in enumerate(all_needs):
-            for d, n in needs.items():
-                ids.setdefault(d, set()).add((i, n.piece_id))
-        groups = sum_groups({d: Need(full[d].box, frozenset(ids[d])) for d in full})
-        # every holder is summed, with a holder of each copy (else copies would drift), and
-        # no reader's piece twice (a replicated reader's whole contribution on two members)
-        if not groups or {d for g in groups for d in g} != set(full) or \
-                any(not set(g) & b for g in groups for b in blocks):
-            return None
-        for g in groups:
-            pieces = [x for d in g for x in ids[d]]
-            if len(pieces) != len(set(pieces)):
-                return None
-        return full, groups
 
     def _node(self, node: Node) -> None:
         inf = info(self.graph, node)

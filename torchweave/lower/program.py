@@ -100,7 +100,7 @@ class ParamSlot:
     slice, and ``box`` is within it."""
     copied: bool = False
     """A copy kept on each pipeline rank that reads it (a tied embedding and LM head:
-    ``Lowering._stage_copies``): its gradient group spans stage groups, so its sum waits
+    ``lower/copies.py``): its gradient group spans stage groups, so its sum waits
     for the schedule's end (``runtime/schedule_runner.py``)."""
 
 

@@ -100,7 +100,7 @@ class Proxy:
     tied: int = 0
     """Elements of the parameters read both before the blocks and after them (a tied
     embedding and LM head): in a pipeline the first and the last stage each keep a copy,
-    summed between them once a step (``lower.Lowering._stage_copies``)."""
+    summed between them once a step (``lower/copies.py``)."""
     tied_copied: bool = True
     """Whether those readers read the same piece on each rank under this split, as lowering
     needs to copy the weight; where not (a solved split that shards the embedding and

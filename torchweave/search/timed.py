@@ -363,7 +363,7 @@ class Timing:
                 # its shard; a value a column-parallel linear reads, a whole copy), per
                 # micro-batch; a value without the batch dim (a relative-position bias) whole
                 # with each micro-batch. A tied weight crosses no boundary: each stage that
-                # reads it keeps a copy (lower.Lowering._stage_copies)
+                # reads it keeps a copy (lower/copies.py)
                 acts = sh.received(pp, "batch", px.reads, 1.0 / (pt.ep * (pt.tp if pt.sp else 1))) * f
                 fixed = sh.received(pp, "fixed", px.reads, 1.0)
                 # a tied weight its readers read differently: sent with every micro-batch
@@ -423,7 +423,7 @@ class Timing:
         return self._sums_s[key]
 
     def _tied_sums(self, pt, sh: Shares, pp: int) -> np.ndarray:
-        """Each stage's sums of a tied weight's copies (lower.Lowering._stage_copies): every
+        """Each stage's sums of a tied weight's copies (lower/copies.py): every
         pipeline rank that reads it keeps a copy of its ``tp`` piece, summed once a step over
         all holders of that piece, each holder's part once its stage's backward is done."""
         out = np.zeros(len(sh.block_p))
