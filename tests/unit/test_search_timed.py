@@ -17,7 +17,8 @@ from torchweave.plan.schedules.builtin import builtin
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.estimate import estimate, proxy
 from torchweave.search.space import Point
-from torchweave.search.timed import Timing, compile_schedule, exposed_sums, makespans
+from torchweave.search.makespan import compile_schedule, exposed_sums, makespans
+from torchweave.search.timed import Timing
 from torchweave.sim import parse_cluster
 from torchweave.sim.fast.fold import find_blocks, with_twin
 from torchweave.sim.simulate import simulate
