@@ -75,3 +75,29 @@ def test_bind_reports_every_mismatch() -> None:
 def test_bind_counts_tensors() -> None:
     with pytest.raises(AnnotationError, match="one entry per tensor input"):
         bind("a -> a", [meta(2), meta(2)], [meta(2)])
+
+
+def test_bind_keeps_a_text_bound_to_the_same_shapes_and_still_refuses_a_bad_one() -> None:
+    a = bind("b s k+, n k+ -> b s n", [meta(2, 8, 4), meta(6, 4)], [meta(2, 8, 6)])
+    b = bind("b s k+, n k+ -> b s n", [meta(2, 8, 4), meta(6, 4)], [meta(2, 8, 6)])
+    c = bind("b s k+, n k+ -> b s n", [meta(2, 8, 4), meta(5, 4)], [meta(2, 8, 5)])
+    assert a is b and c is not a and c.sizes["n"] == 5
+    for _ in range(2):  # an error is raised each time, never kept as an answer
+        with pytest.raises(AnnotationError, match="one entry per tensor input"):
+            bind("a -> a", [meta(2), meta(2)], [meta(2)])
+
+
+def test_capture_binds_every_node_as_its_annotation_text_binds() -> None:
+    """Capture binds each node once and keeps that for info(); it must equal what binding
+    the node's annotation text gives (info's own path once the node is changed)."""
+    from tests.conftest import captured
+    from torchweave.ops import info
+    from torchweave.ops.annotate import call_of
+
+    for name in ("gpt-tiny", "t5-tiny", "moe-tiny"):
+        g = captured(name)
+        for node in g.nodes:
+            call = call_of(g, node)
+            again = bind(node.annotation, call.inputs, call.outputs, op=node.target)
+            got = info(g, node).bound
+            assert (got.annotation, got.sizes) == (again.annotation, again.sizes), node.name

@@ -84,11 +84,15 @@ def info(graph: Graph, node: Node, registry: Registry = REGISTRY) -> OpInfo:
         return hit[3]
     call = call_of(graph, node)
     text = node.annotation or (spec.annotate(call) if spec else _opaque(call))
-    bound = bind(text, call.inputs, call.outputs, op=node.target)
+    return _info(graph, node, spec, call, bind(text, call.inputs, call.outputs, op=node.target))
+
+
+def _info(graph: Graph, node: Node, spec: OpSpec | None, call: Call, bound: Bound) -> OpInfo:
+    """The node's :class:`OpInfo` from its bound annotation, kept on the graph (see :func:`info`)."""
     flops = default_flops(spec, call, bound)
     nbytes = sum(m.nbytes for m in call.inputs) + sum(m.nbytes for m in call.outputs)
     out = OpInfo(node, spec, bound, flops, flops * (spec.bwd_factor if spec else 2.0), nbytes)
-    cache[node.name] = (node, node.annotation, spec, out)
+    graph.__dict__.setdefault("_op_infos", {})[node.name] = (node, node.annotation, spec, out)
     return out
 
 
@@ -100,17 +104,20 @@ def annotate(graph: Graph, registry: Registry = REGISTRY) -> list[OpInfo]:
     for node in graph.nodes:
         call = call_of(graph, node)
         spec = registry.lookup(node.target)
+        bound = None
         if spec is None:
             missing.setdefault(node.target, node)
             node.annotation = _opaque(call)
         else:
             try:
-                node.annotation = str(bind(spec.annotate(call), call.inputs, call.outputs,
-                                           op=node.target).annotation)
+                bound = bind(spec.annotate(call), call.inputs, call.outputs, op=node.target)
+                node.annotation = str(bound.annotation)
             except (TorchweaveError, ValueError, KeyError, IndexError, TypeError) as exc:
                 broken.setdefault(node.target, f"{node.source or node.name}: {exc}")
                 node.annotation = _opaque(call)
-        infos.append(info(graph, node, registry))
+        if bound is None:  # the opaque annotation, bound as info would bind it
+            bound = bind(node.annotation, call.inputs, call.outputs, op=node.target)
+        infos.append(_info(graph, node, spec, call, bound))
     for target, node in missing.items():
         warnings.warn(
             f"op {target} at {node.source or node.name} has no annotation; it will run whole "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,8 +83,24 @@ def bind(
     *,
     op: str = "op",
 ) -> Bound:
-    """Check ``text`` against the tensors' shapes and bind each name's size."""
-    ann = parse(text) if isinstance(text, str) else text
+    """Check ``text`` against the tensors' shapes and bind each name's size.
+
+    A text bound to the same shapes gives the same (immutable) :class:`Bound`, kept:
+    a captured model's repeated blocks bind each op's annotation to the same shapes,
+    once per block, and capture binds every node."""
+    if isinstance(text, str):
+        return _bind_text(text, tuple(inputs), tuple(outputs), op)
+    return _bind(text, inputs, outputs, op=op)
+
+
+@functools.lru_cache(maxsize=8192)
+def _bind_text(text: str, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...],
+               op: str) -> Bound:
+    return _bind(parse(text), list(inputs), list(outputs), op=op)
+
+
+def _bind(ann: Annotation, inputs: list[TensorMeta], outputs: list[TensorMeta], *, op: str
+          ) -> Bound:
     ann = normalize_kinds(ann)
     problems: list[Problem] = []
     where = f"{op} with annotation '{ann}'"
