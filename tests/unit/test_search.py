@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import math
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,7 +353,10 @@ def test_worker_processes_give_the_same_search(monkeypatch) -> None:
                     recompute=("none", "full"))
     cluster = parse_cluster("8xA100-80GB-SXM")
     one = search(_gpt(), cluster, c, top=0, simulate_top=6, workers=1)
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("torchweave-search-*"))
     two = search(_gpt(), cluster, c, top=0, simulate_top=6, workers=2)
+    assert set(tmp.glob("torchweave-search-*")) == before  # the workers' state file is gone
     assert [(r.spec, r.result.step_time, r.estimate) for r in one.ranked] == \
         [(r.spec, r.result.step_time, r.estimate) for r in two.ranked]
     assert one.excluded == two.excluded and len(one.ranked) >= 6

@@ -46,3 +46,35 @@ def test_constraints_read_coshard_from_yaml(tmp_path) -> None:
     f.write_text("coshard: [3]\n")
     with pytest.raises(TorchweaveError, match="line 1.*coshard"):
         load_constraints(str(f))
+
+
+@pytest.mark.parametrize("tp,sp,recompute", [(2, False, "none"), (2, True, "selective"),
+                                             (4, False, "full")])
+def test_a_co_sharded_proxy_built_from_its_sibling_equals_one_simulated_whole(tp, sp, recompute):
+    """Co-sharding touches the head only, so a co-sharded proxy simulates the 3-block model
+    alone and takes what a block adds from its ``coshard=0`` sibling: every number equals the
+    proxy that simulates the 4-block model too."""
+    import torchweave
+    from torchweave.models.gpt import GPT, GPTConfig
+    from torchweave.policies.spec import PlanSpec
+    from torchweave.search.estimate import proxy
+    from torchweave.sim.fast.fold import find_blocks, with_twin
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=8192, block_size=128, n_layer=6, n_head=4, d_model=128))
+        idx = torch.zeros(16, 128, dtype=torch.long)
+    g = torchweave.capture(model, (idx, idx), name="gpt-head")
+    base = PlanSpec.parse("dp").build(g, 1)
+    blocks = with_twin(g, base, find_blocks(g, base, least=4, nested=False))
+    cluster = parse_cluster("8xA100-80GB-SXM@8")
+    kw = dict(dtype=torch.bfloat16, precision="bf16-mixed")
+    sib = proxy(g, blocks, cluster, tp, sp, recompute, **kw)
+    whole = proxy(g, blocks, cluster, tp, sp, recompute, coshard=4, **kw)
+    made = proxy(g, blocks, cluster, tp, sp, recompute, coshard=4, like=sib, **kw)
+    assert whole.rest_act != sib.rest_act  # the head in chunks keeps less: a real difference
+    for f in ("block_s", "rest_s", "block_act", "rest_act", "block_params", "rest_params",
+              "block_comm", "rest_comm", "boundary_bytes", "reads", "tied", "tied_copied"):
+        a, b = getattr(whole, f), getattr(made, f)
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-15), f
+    assert made.plan.notes.get("coshard") == whole.plan.notes.get("coshard")
+    assert len(made.plan.trans) == len(whole.plan.trans)  # the 4-block model's plan

@@ -44,6 +44,7 @@ measured on every plan it returns (``SearchResult.estimate_error``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -105,6 +106,10 @@ class Proxy:
     """Whether those readers read the same piece on each rank under this split, as lowering
     needs to copy the weight; where not (a solved split that shards the embedding and
     the head differently), lowering sends it whole with every micro-batch instead."""
+    per_block: tuple = ()
+    """What one more block adds to the simulated cut-down model: (step seconds, the busiest
+    rank's communication seconds, the peak rank's parameter bytes and activation bytes);
+    a co-sharded sibling reuses it (:func:`proxy`'s ``like``)."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +134,14 @@ def sub_cluster(cluster: Cluster, n: int) -> Cluster:
 
 def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, recompute: str, *,
           dtype, precision: str, dims: dict[str, str | None] | None = None, coshard: int = 0,
-          ep: int = 1) -> Proxy:
+          ep: int = 1, like: Proxy | None = None) -> Proxy:
     """The proxy of ``(tp, sp, recompute, split, coshard, ep)``; raises the policy's error
-    where the split does not apply to the model (e.g. heads not divisible by tp)."""
+    where the split does not apply to the model (e.g. heads not divisible by tp).
+
+    ``like``: the proxy of the same split with ``coshard=0``. Co-sharding changes the output
+    head only, so the blocks cost what they cost there: the 3-block model alone is simulated
+    and ``like``'s per-block differences give the 4-block one (equal to simulating it:
+    ``tests/unit/test_search_estimate.py``)."""
     rec = [f"recompute={recompute}"] if recompute != "none" else []
     if ep > 1:  # the experts over ep, the batch over ep, Megatron's tp inside
         text = "ep:" + ",".join([f"ep={ep}", "dp=1", f"tp={tp}"] + rec)
@@ -141,32 +151,35 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
         text = ("dp" if tp == 1 else "sp" if sp else "tp") + (":" + ",".join(opts) if opts else "")
     plan = PlanSpec.parse(text).build(graph, tp * ep, dims=dims)
     small = sub_cluster(cluster, tp * ep)
-    runs = []
-    for k in (3, 4):
+    derive = like is not None and coshard > 0 and like.per_block
+    measured = []
+    for k in ((3,) if derive else (3, 4)):
         g, p = cut_stacks(graph, plan, blocks, k)
-        runs.append((simulate(g, p, small, dtype=dtype, fold=False, timeline=False), g, p))
-    (r3, _, _), (r4, g4, p4) = runs
-    m3 = max(r3.memory, key=lambda m: m.peak)
-    m4 = max(r4.memory, key=lambda m: m.peak)
+        r = simulate(g, p, small, dtype=dtype, fold=False, timeline=False)
+        peak = max(r.memory, key=lambda m: m.peak)
+        measured.append((r.step_time, max(r.comm_time, default=0.0), peak.params, peak.activations))
+    _, p4 = cut_stacks(graph, plan, blocks, 4) if derive else (g, p)
+    x3 = measured[0]
+    x4 = tuple(a + d for a, d in zip(x3, like.per_block)) if derive else measured[1]
+    (step3, comm3, params3, act3), (step4, comm4, params4, act4) = x3, x4
     model = ComputeModel.for_device(cluster.device)
     bw = cluster.device.memory_bandwidth * model.bandwidth
     each = model_state_memory(1, precision=precision).params  # bytes a parameter holds
-    pb = (m4.params - m3.params) // each
-    pr = max(0, m4.params // each - 4 * pb)
+    pb = (params4 - params3) // each
+    pr = max(0, params4 // each - 4 * pb)
     # The simulator's AdamW pass reads 7 fp32 words per parameter (sim/step/backward.py): the
     # search prices it per point instead.
-    block = max(0.0, (r4.step_time - r3.step_time) - 28 * pb / bw)
-    rest = max(0.0, r4.step_time - 4 * (r4.step_time - r3.step_time) - 28 * pr / bw)
-    comm3, comm4 = max(r3.comm_time, default=0.0), max(r4.comm_time, default=0.0)
+    block = max(0.0, (step4 - step3) - 28 * pb / bw)
+    rest = max(0.0, step4 - 4 * (step4 - step3) - 28 * pr / bw)
     block_comm = min(block, max(0.0, comm4 - comm3))
     rest_comm = min(rest, max(0.0, comm4 - 4 * (comm4 - comm3)))
     end = blocks.spans[1][1] - 1
     out = graph.nodes[end].outputs[0]
     boundary = graph.values[out].meta.nbytes
-    return Proxy(block, rest, m4.activations - m3.activations,
-                 max(0, m4.activations - 4 * (m4.activations - m3.activations)), pb, pr,
+    return Proxy(block, rest, act4 - act3, max(0, act4 - 4 * (act4 - act3)), pb, pr,
                  boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0,
-                 block_comm, rest_comm, read_shares(graph, plan), *_tied(graph, blocks, plan))
+                 block_comm, rest_comm, read_shares(graph, plan), *_tied(graph, blocks, plan),
+                 per_block=tuple(b - a for a, b in zip(x3, x4)))
 
 
 def _tied(graph: Graph, blocks: Blocks, plan: Plan) -> tuple[int, bool]:
@@ -335,7 +348,13 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
 
 
 def _seconds(cluster: Cluster, c: Collective, nbytes: float, group: tuple[int, ...]) -> float:
-    return collective_time(cluster, c, int(nbytes), group).seconds
+    return _collective_s(cluster, c, int(nbytes), tuple(group))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _collective_s(cluster: Cluster, c: Collective, nbytes: int, group: tuple[int, ...]) -> float:
+    """Kept: a search prices tens of thousands of points with a few hundred distinct sums."""
+    return collective_time(cluster, c, nbytes, group).seconds
 
 
 def _dp_group(pt: Point, cluster: Cluster) -> tuple[int, ...]:

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import shutil
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable
 
@@ -57,10 +60,12 @@ def default_workers(graph_nodes: int, world: int) -> int:
                       else os.cpu_count() or 1))
 
 
-def _init(state: dict[str, Any]) -> None:
+def _init(path: str) -> None:
     import torch
 
     torch.set_num_threads(1)  # the workers share the cores; each is one search thread
+    with open(path, "rb") as f:  # the parent's own state, in its private folder (below)
+        state = pickle.load(f)
     _STATE.clear()
     _STATE.update(state)
 
@@ -91,9 +96,20 @@ class Runner:
     def __init__(self, workers: int, **state: Any) -> None:
         self.state = state
         self.pool: ProcessPoolExecutor | None = None
+        self._dir: str | None = None
         if workers > 1:
+            # The state (the graph, ~1 MB) goes by a file, not with each worker's start: a
+            # spawned worker reads its start message while importing what unpickling needs
+            # (torch, seconds), and the parent's write of a message larger than a pipe holds
+            # waits for that, worker after worker. By a file the workers start together.
+            # The folder is the parent's own (mode 0700) and removed on close; only this
+            # process writes the file, and only its workers read it.
+            self._dir = tempfile.mkdtemp(prefix="torchweave-search-")
+            path = os.path.join(self._dir, "state.pickle")
+            with open(path, "wb") as f:
+                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
             self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                                            initializer=_init, initargs=(state,))
+                                            initializer=_init, initargs=(path,))
 
     def map(self, fn: Callable[..., Any], jobs: list[tuple]) -> list[Any]:
         if self.pool is None or len(jobs) < 2:
@@ -104,6 +120,9 @@ class Runner:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
             self.pool = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def __enter__(self) -> "Runner":
         return self

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from torchweave.errors import TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.search.admit import op_rules
 from torchweave.search.constraints import Constraints
@@ -39,8 +40,7 @@ def by_degree(runner: Runner, graph: Graph, pts: list[Point], parts: dict[int, P
         for key in group:
             say(f"proxy tp={key[0]} sp={key[1]} recompute={key[2]} split={key[3]} coshard={key[4]}"
                 + (f" ep={key[5]}" if key[5] > 1 else ""))
-        got = runner.map(_proxy_job, [(key, parts[tp].dims if key[3] == "solved" and parts.get(tp)
-                                       else None) for key in group])
+        got = _proxies(runner, group, parts)
         for key, px in zip(group, got):
             proxies[key] = None
             if isinstance(px, Failed):
@@ -64,10 +64,41 @@ def proxy_key(pt: Point) -> tuple:
     return (pt.tp, pt.sp, pt.recompute, pt.split, pt.coshard, pt.ep)
 
 
-def _proxy_job(s: dict, key: tuple, dims: dict | None) -> Proxy:
-    return proxy(s["graph"], s["blocks"], s["cluster"], *key[:3], coshard=key[4], ep=key[5],
-                 dtype=s["dtype"],
-                 precision=s["precision"], dims=dims)
+def _proxies(runner: Runner, group: list[tuple], parts: dict[int, Partition | None]) -> list:
+    """The proxies of ``group`` (one degree's keys), in its order. A co-sharded key goes in
+    one job with its ``coshard=0`` sibling, whose blocks it reuses (:func:`proxy`'s ``like``)."""
+    def dims(key: tuple) -> dict | None:
+        return parts[key[0]].dims if key[3] == "solved" and parts.get(key[0]) else None
+
+    base = {key: [] for key in group if key[4] == 0}
+    alone = []
+    for key in group:
+        sib = (*key[:4], 0, *key[5:])
+        if key[4] and sib in base:
+            base[sib].append(key)
+        elif key not in base:
+            alone.append(key)
+    jobs = [(key, tuple(base[key]), dims(key)) for key in base] + \
+        [(key, (), dims(key)) for key in alone]
+    got = {}
+    for (key, more, _), answers in zip(jobs, runner.map(_proxy_job, jobs)):
+        got.update(zip((key, *more), answers if isinstance(answers, list) else [answers]))
+    return [got[key] for key in group]
+
+
+def _proxy_job(s: dict, key: tuple, more: tuple, dims: dict | None) -> list:
+    """The proxy of ``key``, then of each co-sharded sibling in ``more`` (a failure, as
+    :class:`Failed`, in its place)."""
+    def one(k: tuple, like: Proxy | None):
+        try:
+            return proxy(s["graph"], s["blocks"], s["cluster"], *k[:3], coshard=k[4], ep=k[5],
+                         dtype=s["dtype"], precision=s["precision"], dims=dims, like=like)
+        except TorchweaveError as exc:
+            return Failed(list(exc.problems))
+
+    first = one(key, None)
+    like = first if isinstance(first, Proxy) else None
+    return [first, *(one(k, like) for k in more)]
 
 
 __all__ = ["by_degree", "proxy_key"]

@@ -23,6 +23,7 @@ over every split of the block that shares the schedule, so that all points of a
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -297,6 +298,7 @@ class Timing:
             group = tuple(range(0, pt.tp * pt.dp, pt.tp))  # rank 0's replicas (tp innermost)
             out = np.zeros(len(sh.block_p))
             copied = self._copied(sh, pp) if pp else []  # pp 0: no copies
+            seen: dict[tuple, float] = {}  # a pipeline's middle stages hold alike parameters
             for s, sizes in enumerate(sh.params):
                 nbytes = item * (sh.block_p[s] * n_blocks * px.block_params
                                  + sh.rest_p[s] * px.rest_params)
@@ -305,11 +307,11 @@ class Timing:
                 for made, numel in copied:  # a tied weight's copies are summed with each other
                     if made == s and numel in sizes:
                         sizes.remove(numel)
-                buckets, closed = Buckets(BUCKET_BYTES), []
-                for i, n in enumerate(sizes):
-                    closed += buckets.add(str(i), (), n * scale)
-                out[s] = sum(self._all_reduce(int(size), group)
-                             for _, _, size in closed + buckets.drain() if size)
+                alike = (tuple(sizes), scale)
+                if alike not in seen:
+                    seen[alike] = sum(self._all_reduce(int(size), group)
+                                      for size in _buckets(alike[0], scale) if size)
+                out[s] = seen[alike]
             self._sums_s[key] = out
         return self._sums_s[key]
 
@@ -350,6 +352,17 @@ class Timing:
             self._reduce_s[(nbytes, group)] = collective_time(
                 self.cluster, Collective.ALL_REDUCE, nbytes, group).seconds
         return self._reduce_s[(nbytes, group)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _buckets(sizes: tuple[int, ...], scale: float) -> tuple[float, ...]:
+    """The bytes of each gradient sum when parameters of ``sizes`` elements (``scale`` bytes
+    each), in the order backward makes them, are bucketed by the runtime's rule
+    (:class:`~torchweave.sim.step.backward.Buckets`, whose arithmetic this repeats)."""
+    buckets, closed = Buckets(BUCKET_BYTES), []
+    for i, n in enumerate(sizes):
+        closed += buckets.add(str(i), (), n * scale)
+    return tuple(size for _, _, size in closed + buckets.drain())
 
 
 __all__ = ["Priced", "Shares", "Timing"]

@@ -59,6 +59,11 @@ class Kind(enum.Enum):
     RECV_R = "RECV_R"
     """Receive the input of a no-gradient pass (stage 0: the recycled output)."""
 
+    # A member is its own singleton: hashed by identity in C, not by ``Enum.__hash__``'s
+    # Python call on its name (timing a schedule hashes millions of action keys). Nothing
+    # may depend on the iteration order of a set of kinds (string hashes vary by process too).
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         return self in _COMPUTE
