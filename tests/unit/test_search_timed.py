@@ -41,7 +41,10 @@ def test_the_vectorised_schedule_times_as_the_simulators_engine(kind, pp, virtua
     sched = builtin(kind, pp, virtual, micro)
     run = makespans(compile_schedule(sched), fwd, bwd, hop)
     sums = rng.uniform(0.0, 3.0, (stages, k))  # each stage's gradient sum, seconds
-    exposed = exposed_sums(run, sums)
+    tied = np.zeros((stages, k))  # a tied weight's copies, summed after the schedule even
+    tied[stages - pp:] = rng.uniform(0.0, 1.0, (pp, k))  # where read on a rank's last stage,
+    # whose backward ends before the rank's schedule does (interleaved: its first backward)
+    exposed = exposed_sums(run, sums, tied)
     for j in range(k):
         costs = [StageCost(fwd=float(fwd[s, j]), bwd=float(bwd[s, j]), boundary=int(nbytes[s]))
                  for s in range(stages)]
@@ -52,8 +55,11 @@ def test_the_vectorised_schedule_times_as_the_simulators_engine(kind, pp, virtua
         # the sums as the simulator's finish_times overlaps them (rank q holds stages
         # q, q + pp, ...; no ZeRO)
         plan = SimpleNamespace(pipeline=SimpleNamespace(groups=[[q] for q in range(pp)]), zero=0)
-        ranks = {q: RankCosts(syncs={(frozenset({s}), (0, 1)): Sums(1, 0.0, float(sums[s, j]), (0, 1))
+        ranks = {q: RankCosts(syncs={(frozenset({s}), (q,)): Sums(1, 0.0, float(sums[s, j]), (q,))
                                      for s in range(q, stages, pp)}) for q in range(pp)}
+        for q in range(pp):  # the copies' group spans two pipeline ranks
+            grp, last = (q, (q + 1) % pp), stages - pp + q
+            ranks[q].syncs[(frozenset({last}), grp)] = Sums(1, 0.0, float(tied[last, j]), grp)
         ends = finish_times(plan, ref, ranks)
         assert exposed[j] == pytest.approx(max(ends.values()) - ref.step_time, rel=1e-9, abs=1e-12)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from torchweave.errors import SimError
@@ -247,3 +249,31 @@ def test_a_value_without_the_batch_crosses_whole_with_each_micro_batch(monkeypat
         assert 2 * seen[4][s].inputs - seen[2][s].inputs == pytest.approx(whole, abs=2), s
         crossed += whole
     assert crossed  # the case is there: the decoder's bias crosses into stages 1 and 2
+
+
+def test_zero_keeps_a_tied_weights_copies_whole_in_the_memory_model() -> None:
+    """The runtime's ZeRO owns the pieces its mesh group sums (runtime/zero.py); a tied
+    weight's copies are summed across stage groups, so they keep whole gradients and
+    optimizer state. The memory model counts them so: each rank's state is its other
+    parameters' sharded plus the copy whole."""
+    from torchweave.lower.lower import lower
+    from torchweave.policies.spec import PlanSpec
+    from torchweave.sim import parse_cluster, simulate
+    from torchweave.sim.hardware.memory import model_state_memory
+    from torchweave.sim.step.run import zero_group
+
+    g = _gpt_meta(layers=4, batch=8)
+    for zero in (1, 2):
+        plan = PlanSpec.parse(f"1f1b:dp=2,zero={zero}").build(g, 4)
+        progs = lower(g, plan, stages=False)
+        res = simulate(g, plan, parse_cluster("4xA100-80GB-SXM@4"), fold=False)
+        for prog, mem in zip(progs, res.memory):
+            own = [math.prod(b - a for a, b in s.box) for s in prog.params if not s.is_buffer]
+            copy = sum(math.prod(b - a for a, b in s.box) for s in prog.params if s.copied)
+            assert copy == 4096 * 1024  # wte on both pipeline ranks
+            dp = zero_group(plan, prog, prog.rank)
+            assert dp == 2
+            sharded = model_state_memory(sum(own) - copy, dp=dp, stage=zero)
+            whole = model_state_memory(copy)
+            assert mem.optimizer == sharded.optimizer + whole.optimizer, (zero, prog.rank)
+            assert mem.grads == math.ceil(model_state_memory(sum(own) - copy).grads / dp) + whole.grads

@@ -329,10 +329,14 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
     shard = 4 * elems / (pt.dp if pt.zero >= 1 else 1)  # AdamW's fp32 words
     opt = 7 * shard / bw
-    state = model_state_memory(elems, dp=pt.dp, stage=pt.zero, precision=precision)
+    # a tied weight's copy on each pipeline rank that reads it is summed across stage
+    # groups, so ZeRO keeps it whole (sim/step/run.memory_use, runtime/zero.py)
+    kept = min(elems, px.tied // (pt.tp * pt.ep)) if pt.pp > 1 and px.tied_copied and pt.zero else 0
+    state = model_state_memory(elems - kept, dp=pt.dp, stage=pt.zero, precision=precision)
+    whole = model_state_memory(kept, precision=precision).total
     temps = min(BUCKET_BYTES, param_bytes) if pt.zero == 0 else 0
     if pt.zero in (1, 2) and pt.dp > 1:
-        temps = model_state_memory(elems, precision=precision).grads
+        temps = model_state_memory(elems - kept, precision=precision).grads
     if pt.pp == 1:
         flight = 1.0
     elif pt.schedule == "gpipe":
@@ -342,7 +346,7 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     else:
         flight = min(pt.micro, pt.pp)
     acts = px.block_act * f * per_rank_blocks * flight + px.rest_act * f
-    memory = int(state.total + acts + temps)
+    memory = int(state.total + whole + acts + temps)
     step = work + bubble + sync + p2p + opt
     return Estimate(step, work, bubble, sync, p2p, opt, memory)
 

@@ -112,17 +112,21 @@ def makespans(c: Compiled, fwd: np.ndarray, bwd: np.ndarray, hop: np.ndarray) ->
     return Run(np.max(clock, axis=0), np.max(busy, axis=0), clock, dict(grads))
 
 
-def exposed_sums(run: Run, seconds: np.ndarray) -> np.ndarray:
+def exposed_sums(run: Run, seconds: np.ndarray, after: np.ndarray | None = None) -> np.ndarray:
     """How much longer than ``run.step`` the step is when each stage's gradient sum
     (``seconds``: ``[stages, K]``) starts once the stage's gradients are made and the sums
     of one rank run one after another (as the simulator's ``finish_times`` has them for a
-    pipeline without ZeRO)."""
+    pipeline without ZeRO); ``after`` (``[stages, K]``): sums of the stage's rank that
+    start only once its schedule is done, after the others (a tied weight's copies)."""
     finish = run.step * 0
     for r, stages in run.grads.items():
         clock = run.step * 0
         for s, ready in stages:
             clock = np.maximum(clock, ready) + seconds[s]
-        finish = np.maximum(finish, np.maximum(clock, run.ends[r]))
+        clock = np.maximum(clock, run.ends[r])
+        if after is not None:
+            clock = clock + sum(after[s] for s, _ in stages)
+        finish = np.maximum(finish, clock)
     return finish - run.step
 
 

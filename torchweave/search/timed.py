@@ -272,13 +272,14 @@ class Timing:
                                                lambda n, g=group: self._all_reduce(n, g))
             run = makespans(self._compiled[key], fwd, bwd, hop)
             sums = np.zeros((pp * virtual, len(cols)))
+            tied = np.zeros((pp * virtual, len(cols)))  # summed once the schedule is done
             for k, (pt, px) in enumerate(cols.values()):
                 if pt.ep == 1:
                     if px.tied_copied:
-                        sums[:, k] = self._tied_sums(pt, sh, pp)
+                        tied[:, k] = self._tied_sums(pt, sh, pp)
                     if pt.dp > 1:
-                        sums[:, k] += self._sums(pt, px, sh, n_blocks, pp if px.tied_copied else 0)
-            exposed = exposed_sums(run, sums)
+                        sums[:, k] = self._sums(pt, px, sh, n_blocks, pp if px.tied_copied else 0)
+            exposed = exposed_sums(run, sums, tied)
             col = {c: k for k, c in enumerate(cols)}
             for pt, px in members:
                 k = col[(id(px), pt.dp, pt.tp * pt.ep)]
@@ -318,7 +319,8 @@ class Timing:
     def _tied_sums(self, pt, sh: Shares, pp: int) -> np.ndarray:
         """Each stage's sums of a tied weight's copies (lower/copies.py): every
         pipeline rank that reads it keeps a copy of its ``tp`` piece, summed once a step over
-        all holders of that piece, each holder's part once its stage's backward is done."""
+        all holders of that piece, on each holder once its schedule is done (the runtime
+        launches that sum after the rank's sends: runtime/schedule_runner.py)."""
         out = np.zeros(len(sh.block_p))
         size = pt.tp * pt.dp * pt.ep  # a stage group
         for name, made, readers, nbytes, kind in sh.crossing:

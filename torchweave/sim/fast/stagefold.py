@@ -58,6 +58,7 @@ from torchweave.sim.fast.stageshape import StageShape, find_stage_shape, lift, s
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.hardware.compute import ComputeModel
+from torchweave.sim.hardware.memory import model_state_memory
 from torchweave.sim.step.backward import Buckets
 from torchweave.sim.step.build import Builder
 from torchweave.sim.step.pipelined import RankCosts, Sums, rank_costs, run_pipeline
@@ -156,6 +157,7 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
     one, two = runs
     pipe = plan.pipeline
     builder = two.builder
+    precision = "bf16-mixed" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     pp, pp2, v, g = shape.pp, shape.small_pp, shape.virtual, shape.group
     n = shape.per_stage
 
@@ -247,8 +249,9 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
             # bucket that is one sum grows with the blocks; once buckets close they do not),
             # and ZeRO-1/2's full local gradients (affine).
             temps = max(two.feet[r2].held, round(largest))
-            if plan.zero in (1, 2) and two.zero_group[r2] > 1:
-                temps = max(temps, mem["grads"] * two.zero_group[r2])
+            if plan.zero in (1, 2) and two.zero_group[r2] > 1:  # a tied copy's are whole
+                kept = model_state_memory(two.feet[r2].kept, precision=precision).grads
+                temps = max(temps, (mem["grads"] - kept) * two.zero_group[r2])
             mem["temporaries"] = temps
             r = q * g + j
             costs[r], memory[r] = c, MemoryUse(**mem)

@@ -39,6 +39,8 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
             foot.buffers += int(nbytes[s.local])
         else:
             foot.params += n
+            if s.copied and s.requires_grad:
+                foot.kept += n
             if s.requires_grad:
                 params[s.local] = s
     for s in prog.inputs:

@@ -189,7 +189,8 @@ def run_pipeline(plan: Plan, cluster: Cluster, costs: dict[int, RankCosts], recy
 def finish_times(plan: Plan, step: PipelineStep, costs: dict[int, RankCosts], *,
                  overlap: bool = True) -> dict[int, float]:
     """Per rank, when its step ends: its gradient sums from the moment their stages are
-    done, then the optimizer and the rest of no stage after the sums and the schedule."""
+    done (a tied weight's copies' once the schedule is), then the optimizer and the rest of
+    no stage after the sums and the schedule."""
     pipe = plan.pipeline
     last: dict[tuple[int, int], float] = {}  # (pipeline rank, stage) -> end of its last B or W
     ends: dict[int, float] = defaultdict(float)  # pipeline rank -> end of its last action
@@ -202,8 +203,11 @@ def finish_times(plan: Plan, step: PipelineStep, costs: dict[int, RankCosts], *,
     for r, c in costs.items():
         q = group_of[r]
         ready = []
-        for (stages, _), sums in c.syncs.items():
-            early = overlap and plan.zero == 0 and stages and all((q, s) in last for s in stages)
+        for (stages, grp), sums in c.syncs.items():
+            # a tied weight's copies (a group across stage groups) are summed once the
+            # schedule is done, after the rank's sends (runtime/schedule_runner.py)
+            early = (overlap and plan.zero == 0 and stages and all((q, s) in last for s in stages)
+                     and len({group_of.get(d) for d in grp}) <= 1)
             ready.append((max(last[(q, s)] for s in stages) if early else ends[q], sums.seconds))
         clock = 0.0
         for t0, dur in sorted(ready, key=lambda x: x[0]):

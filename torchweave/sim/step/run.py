@@ -78,16 +78,19 @@ def memory_use(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tu
     for i, r in enumerate(ranks):
         f = feet[r]
         dp = zero_group(plan, programs[i], r)
-        state = model_state_memory(f.params, dp=dp, stage=plan.zero, precision=precision)
-        grads, opt, temps = state.grads, state.optimizer, f.temporaries
+        kept = f.kept if plan.zero else 0  # a tied weight's copies: whole under ZeRO too
+        state = model_state_memory(f.params - kept, dp=dp, stage=plan.zero, precision=precision)
+        whole = model_state_memory(kept, precision=precision)
+        grads, opt, temps = state.grads + whole.grads, state.optimizer + whole.optimizer, f.temporaries
         if plan.zero in (1, 2) and dp > 1:
             # As the runtime runs them (runtime/zero.py): autograd fills full local gradients
             # (a temporary), one all-reduce or reduce-scatter leaves each member its shard,
             # and the optimizer steps the member's slice of the fp32 pieces in place (no
             # master copy: the pieces are views of one flat buffer).
-            full = model_state_memory(f.params, precision=precision).grads
-            grads, temps = math.ceil(full / dp), max(temps, full)
-        out.append(MemoryUse(params=state.params, grads=grads, optimizer=opt, buffers=f.buffers,
+            full = model_state_memory(f.params - kept, precision=precision).grads
+            grads, temps = math.ceil(full / dp) + whole.grads, max(temps, full)
+        out.append(MemoryUse(params=state.params + whole.params, grads=grads, optimizer=opt,
+                             buffers=f.buffers,
                              activations=f.activations if activations is None else activations[r],
                              temporaries=temps))
     return tuple(out)

@@ -28,6 +28,10 @@ class Footprint:
 
     params: int = 0
     """Parameter elements held."""
+    kept: int = 0
+    """Of ``params``, the elements ZeRO keeps whole: a tied weight's copies
+    (``ParamSlot.copied``), whose sum spans stage groups, so the runtime's ZeRO, which owns
+    what its group sums, all-reduces them and keeps their full optimizer state."""
     stage_activations: dict[int, int] = field(default_factory=dict)
     """Pipelined plans: activation bytes by stage (for the whole batch)."""
     boundary: dict[int, float] = field(default_factory=dict)
