@@ -141,7 +141,7 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     ``like``: the proxy of the same split with ``coshard=0``. Co-sharding changes the output
     head only, so the blocks cost what they cost there: the 3-block model alone is simulated
     and ``like``'s per-block differences give the 4-block one (equal to simulating it:
-    ``tests/unit/test_search_estimate.py``)."""
+    ``tests/unit/test_search_coshard.py``)."""
     rec = [f"recompute={recompute}"] if recompute != "none" else []
     if ep > 1:  # the experts over ep, the batch over ep, Megatron's tp inside
         text = "ep:" + ",".join([f"ep={ep}", "dp=1", f"tp={tp}"] + rec)
