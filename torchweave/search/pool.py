@@ -106,10 +106,15 @@ class Runner:
             # process writes the file, and only its workers read it.
             self._dir = tempfile.mkdtemp(prefix="torchweave-search-")
             path = os.path.join(self._dir, "state.pickle")
-            with open(path, "wb") as f:
-                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-            self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                                            initializer=_init, initargs=(path,))
+            try:
+                with open(path, "wb") as f:
+                    pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+                self.pool = ProcessPoolExecutor(max_workers=workers,
+                                                mp_context=mp.get_context("spawn"),
+                                                initializer=_init, initargs=(path,))
+            except BaseException:
+                self.close()
+                raise
 
     def map(self, fn: Callable[..., Any], jobs: list[tuple]) -> list[Any]:
         if self.pool is None or len(jobs) < 2:
