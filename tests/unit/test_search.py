@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -342,28 +340,6 @@ def test_a_candidate_lowering_refuses_is_left_out_with_why(monkeypatch) -> None:
     res = search(_gpt(), parse_cluster("8xA100-80GB-SXM"), "megatron", top=3)
     assert res.ranked and all(r.plan.pipeline is None for r in res.ranked)
     assert any("across stage groups" in e for e in res.excluded)
-
-
-def test_worker_processes_give_the_same_search(monkeypatch) -> None:
-    """Proxies and simulations on two spawned workers: the same ranking, numbers and reasons
-    as in one process (the answers come back in the order asked)."""
-    from torchweave.search.pool import default_workers
-
-    c = Constraints(tp=Degrees(only=(1, 2, 4)), schedules=("none", "1f1b"), zero=(0, 1),
-                    recompute=("none", "full"))
-    cluster = parse_cluster("8xA100-80GB-SXM")
-    one = search(_gpt(), cluster, c, top=0, simulate_top=6, workers=1)
-    tmp = Path(tempfile.gettempdir())
-    before = set(tmp.glob("torchweave-search-*"))
-    two = search(_gpt(), cluster, c, top=0, simulate_top=6, workers=2)
-    assert set(tmp.glob("torchweave-search-*")) == before  # the workers' state file is gone
-    assert [(r.spec, r.result.step_time, r.estimate) for r in one.ranked] == \
-        [(r.spec, r.result.step_time, r.estimate) for r in two.ranked]
-    assert one.excluded == two.excluded and len(one.ranked) >= 6
-    assert default_workers(len(_gpt().nodes), 8) == 1  # a small search stays in one process
-    monkeypatch.setenv("TORCHWEAVE_SEARCH_WORKERS", "two")
-    with pytest.raises(TorchweaveError, match="TORCHWEAVE_SEARCH_WORKERS"):
-        default_workers(10, 8)
 
 
 def test_zero_stages_are_one_point_without_data_parallelism() -> None:
