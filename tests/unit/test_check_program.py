@@ -6,6 +6,7 @@ import copy
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tests.conftest import captured
 from torchweave.lower.check import ProgramError, check_program
@@ -96,3 +97,26 @@ def test_later_passes_return_new_programs_and_leave_theirs_alone() -> None:
     assert [(p.segments, p.messages, p.actions) for p in split] == \
         [(p.segments, p.messages, p.actions) for p in staged]
     check_program(split)
+
+
+def test_a_calls_reads_are_its_local_refs_in_pytree_order():
+    """``Compute.reads`` walks plain containers itself and leaves the rest to pytree: the
+    same names, in the same order, as ``pytree.tree_leaves`` gives, on nested and odd args."""
+    from collections import namedtuple
+
+    import torch.utils._pytree as pytree
+
+    from torchweave.lower.program import Compute, LocalRef
+
+    Pair = namedtuple("Pair", "a b")
+    a, b, c, d = (LocalRef(n) for n in "abcd")
+    cases = [
+        ((a, 1, 2.0, None, "x"), {}),
+        (([a, (b, [c])], torch.float32), {"k": d, "j": [a]}),
+        ((Pair(a, (b, 3)), slice(0, 2)), {"dims": (1, 2), "t": Pair(c, d)}),
+        ((), {}),
+    ]
+    for args, kwargs in cases:
+        call = Compute("n", "aten.add.Tensor", args, kwargs, ("o",), "single")
+        want = [x.name for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, LocalRef)]
+        assert call.reads() == want

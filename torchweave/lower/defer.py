@@ -149,7 +149,7 @@ def drop_comms(instrs: list, gone: set[int]) -> list:
 
 def renamed_reads(ins: Any, rename: dict[str, str]) -> Any:
     """``ins`` reading ``rename[x]`` wherever it read local name ``x``."""
-    if rename and isinstance(ins, Compute):
+    if rename and isinstance(ins, Compute) and not rename.keys().isdisjoint(ins.reads()):
         args, kwargs = pytree.tree_map(
             lambda x: LocalRef(rename.get(x.name, x.name)) if isinstance(x, LocalRef) else x,
             (ins.args, ins.kwargs))

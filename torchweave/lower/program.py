@@ -46,10 +46,30 @@ class Compute:
         """Local names this call reads (computed once: the call is immutable)."""
         hit = self.__dict__.get("_reads")
         if hit is None:
-            hit = tuple(x.name for x in pytree.tree_leaves((self.args, self.kwargs))
-                        if isinstance(x, LocalRef))
+            out: list[str] = []
+            _refs((self.args, self.kwargs), out)
+            hit = tuple(out)
             object.__setattr__(self, "_reads", hit)
         return list(hit)
+
+
+def _refs(x: Any, out: list[str]) -> None:
+    """The names of the LocalRefs in ``x``, in ``pytree.tree_leaves`` order: plain tuples,
+    lists and dicts walked here (a step's calls are mostly these), anything else by pytree."""
+    t = type(x)
+    if t is LocalRef:
+        out.append(x.name)
+    elif t is tuple or t is list:
+        for y in x:
+            _refs(y, out)
+    elif t is dict:
+        for y in x.values():
+            _refs(y, out)
+    elif not (x is None or t in _ATOMS):
+        out.extend(y.name for y in pytree.tree_leaves(x) if isinstance(y, LocalRef))
+
+
+_ATOMS = frozenset({int, float, bool, str, complex})
 
 
 @dataclass(frozen=True)
