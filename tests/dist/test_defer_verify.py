@@ -18,3 +18,20 @@ def test_moved_and_kept_sums_match_one_device() -> None:
              for plan in ("dp", "zero3")]
     for report in verify_many(cases, world_size=2):
         assert report.ok, str(report)
+
+
+@pytest.mark.dist
+def test_sums_moved_in_pipelines_match_one_device() -> None:
+    """Per-block lookups of one table, their sums over dp moved to each stage's copy of it
+    (and a GPT's position table, read on its own stage), against one device."""
+    from tests.conftest import built
+    from tests.unit.test_defer import _PerBlock
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8, 4)
+    gpt, inputs = built("gpt-tiny")[:2]
+    cases = [Case(_PerBlock(), (x,), plan, name=f"per-block/{plan}")
+             for plan in ("1f1b:pp=2,dp=2,micro=2", "interleaved:pp=2,dp=2,micro=2,zero=1")]
+    cases.append(Case(gpt, inputs, "gpipe:pp=2,dp=2,micro=2", name="gpt/gpipe"))
+    for report in verify_many(cases, world_size=4):
+        assert report.ok, str(report)

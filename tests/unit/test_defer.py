@@ -91,9 +91,75 @@ def test_a_value_also_read_whole_keeps_its_sum_where_it_is_read(mixed: bool) -> 
         assert not _grad_all_reduces(prog) and _summed(prog)["table.weight"] == ((0, 1),)
 
 
-def test_a_pipeline_plan_keeps_its_sums_where_they_are_read() -> None:
-    """Stages and their messages are built after lowering: pipelined plans are left as they were."""
+def test_a_pipeline_moves_a_sum_read_on_its_own_stage() -> None:
+    """The position table is looked up and read on stage 0: its sum over dp joins the
+    gradient sync at the end of the step, not one all-reduce per micro-batch."""
     graph = captured("gpt-tiny")
-    progs = lower(graph, resolve("1f1b:pp=2,dp=2", graph, 4), stages=False)
+    plan = resolve("1f1b:pp=2,dp=2,micro=2", graph, 4)
+    progs = lower(graph, plan, stages=False)
     holders = [p for p in progs if "wpe.weight" in _summed(p)]
-    assert holders and all(_grad_all_reduces(p) and _summed(p)["wpe.weight"] == () for p in holders)
+    stage0 = plan.pipeline.devices_of_stage(0)
+    assert {p.rank for p in holders} == set(stage0)
+    assert all(not _grad_all_reduces(p) and _summed(p)["wpe.weight"] == (tuple(stage0),)
+               for p in holders)
+
+
+class _PerBlock(nn.Module):
+    """Four blocks, each looking up one shared table for itself (as a T5 block could make
+    its relative-position bias): every stage reads the table, and a pipeline keeps a copy
+    on each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(8, 4)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.table.weight)
+        return x.pow(2).mean()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        pos = nn.functional.embedding(torch.arange(x.shape[1]), table)
+        return x + self.proj(x + pos)
+
+
+def test_per_block_lookups_of_one_table_move_their_sums_together() -> None:
+    """Each stage's lookups move their sums over dp to the stage's copy of the table, and
+    the copies' sum across stages takes them: one group of every holder."""
+    torch.manual_seed(0)
+    graph = torchweave.capture(_PerBlock(), (torch.randn(4, 8, 4),))
+    plan = resolve("1f1b:pp=2,dp=2,micro=2", graph, 4)
+    progs = lower(graph, plan, stages=False)
+    assert all(not _grad_all_reduces(p) for p in progs)
+    assert all(_summed(p)["table.weight"] == ((0, 1, 2, 3),) for p in progs)
+
+
+@pytest.mark.parametrize("spec", ["tp", "sp", "1f1b:tp=2,pp=2,micro=2,split=sequence"])
+def test_the_relative_position_bias_is_made_split_as_attention_reads_it(spec: str) -> None:
+    """T5's bias comes from parameters alone, so no split reaches it going forward; attention
+    split by heads reads its heads of it. Pulled back from those readers (plan/propagate.py),
+    each rank looks up its heads' columns of the table: the bias is neither moved between
+    ranks nor summed over them (before: whole on each rank and summed over tp in backward,
+    or under sequence parallelism split along the keys and exchanged all-to-all)."""
+    graph = captured("t5-tiny")
+    plan = resolve(spec, graph, 4)
+    batched = graph.batched_values()
+    heads = graph.values[graph.node("embedding_1").outputs[0]].meta.shape[-1]
+    for name in ("embedding_1", "embedding_3"):  # the encoder's and the decoder's table
+        (trans,) = [t for t in plan.trans[name] if t.parts > 1 and t.dim]
+        assert trans.parts == 2 if "pp" in spec else 4
+    tables = []
+    for prog in lower(graph, plan, stages=False):
+        moved = [i for i in prog.instrs if isinstance(i, Comm) and i.value not in batched
+                 and graph.values[i.value].kind == "activation"]
+        assert not moved, [(i.value, i.step.NAME) for i in moved]
+        tables += [s for s in prog.params if s.path.endswith("bias.embed.weight")]
+    assert {s.path for s in tables} == {"enc_bias.embed.weight", "dec_bias.embed.weight"}
+    assert all(s.box[1][1] - s.box[1][0] < heads for s in tables)

@@ -222,7 +222,6 @@ def test_a_value_without_the_batch_crosses_whole_with_each_micro_batch(monkeypat
     bias's whole bytes (it was 0 when every task was divided by the micro count)."""
     import torchweave.sim.step.pipelined as pipelined
     from tests.conftest import captured
-    from torchweave.sim.step.context import batched_values
     from torchweave.policies.spec import PlanSpec
     from torchweave.sim import parse_cluster, simulate
 
@@ -239,7 +238,7 @@ def test_a_value_without_the_batch_crosses_whole_with_each_micro_batch(monkeypat
     for plan in plans.values():
         simulate(g, plan, parse_cluster("4xA100-80GB-SXM"), timeline=False)
     stage_of = plans[2].pipeline.stage_of
-    batched = batched_values(g)
+    batched = g.batched_values()
     made = {o: stage_of[n.name] for n in g.nodes for o in n.outputs if o}
     crossed = 0
     for s in range(1, 4):  # one stage a rank: each stage that reads a value receives it

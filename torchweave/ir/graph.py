@@ -234,6 +234,18 @@ class Graph:
             out.update(o for o in n.outputs if self.values[o].meta.dtype.is_floating_point)
         return frozenset(out)
 
+    def batched_values(self) -> frozenset[str]:
+        """Values made from a graph input. A pipeline splits every input into micro-batches
+        along dim 0, so their work is shared out among them; any other value (a
+        relative-position bias, rotary tables: parameters and constants alone) is made whole
+        with each micro-batch, and has no batch or sequence axis to split. A read of an
+        input's dtype alone counts too: ``x.new_zeros`` makes a tensor of the batch's shape."""
+        out: set[str] = set(self.inputs)
+        for node in self.nodes:
+            if any(r.name in out for r in node.input_refs()):
+                out.update(o for o in node.outputs if o)
+        return frozenset(out)
+
     def input_metas(self, node: Node) -> list[TensorMeta]:
         return [self.values[r.name].meta for r in node.input_refs()]
 

@@ -20,9 +20,17 @@ moves to the cone's parameters when:
   of ``G`` computes the whole cone alike;
 - every floating value of the cone is read outside it only through a lone
   ``grad_all_reduce`` over the same ``G`` (inside it, with no step);
-- every parameter of the cone is read only inside it, has no gradient sum of
-  its own, and is held whole by exactly the ranks of ``G``;
-- the plan has no pipeline and the cone no co-sharded node.
+- every parameter of the cone is read only inside it, is held by exactly the ranks
+  of ``G``, each group of ``G`` holding one piece of it (whole, or its share of a
+  split the readers pulled back: ``plan/propagate.py``), and has no gradient sum of
+  its own, or, as a pipeline stage's copy (``lower/copies.py``), one whose groups
+  already span each group of ``G``;
+- the cone has no co-sharded node.
+
+Cones that share a parameter (a table each block looks up for itself) are taken
+together: their sums move together or not at all. In a pipeline a value read on
+another stage crosses by a transfer, not a lone ``grad_all_reduce``, so its cone
+stays as it is.
 
 Then the ``grad_all_reduce`` steps of every value of the cone go (an inner
 value read by a split op too: a step kept there would sum its part twice),
@@ -40,7 +48,6 @@ import torch.utils._pytree as pytree
 from torchweave.lower.coshard import coshard_key
 from torchweave.lower.program import Comm, Compute, LocalRef
 from torchweave.lower.steps import GradAllReduce, Group, Step
-from torchweave.plan.layout import full_box
 
 if TYPE_CHECKING:
     from torchweave.lower.lower import Lowering
@@ -79,56 +86,107 @@ def _cone(low: "Lowering", value: str) -> tuple[set[str], set[str]] | None:
     return nodes, params
 
 
-def _movable(low: "Lowering", value: str, groups: frozenset[Group]
-             ) -> tuple[set[str], set[str]] | None:
-    """(the cone's parameters, its values) if ``value``'s sum may move to the parameters
-    (module docstring), else None."""
-    cone = _cone(low, value)
-    if cone is None:
-        return None
-    nodes, params = cone
+def _trainable(low: "Lowering", params: set[str]) -> set[str]:
+    return {p for p in params if low.graph.values[p].kind == "param"
+            and low.graph.values[p].requires_grad}
+
+
+def _movable(low: "Lowering", values: list[str], groups: dict[str, frozenset[Group]]
+             ) -> tuple[dict[str, tuple[Group, ...]], set[str]] | None:
+    """(each cone parameter's gradient groups, the cone's values) if the sums of ``values``
+    (whose cones share trainable parameters; ``groups[v]``: ``v``'s sum) may move to the
+    parameters (module docstring), else None."""
+    nodes: set[str] = set()
+    params: set[str] = set()
+    for value in values:
+        cone = _cone(low, value)
+        if cone is None:
+            return None
+        nodes |= cone[0]
+        params |= cone[1]
     if any(coshard_key(low.plan, n) is not None for n in nodes):
         return None
-    members = set().union(*groups)
+    every = frozenset().union(*groups.values())
+    members = set().union(*every)
+    trainable = _trainable(low, params)
     outputs = {o for n in nodes for o in low.nodes[n].outputs if o}
     for v, reader, kind in low.reads:
         inside = reader in nodes
         if v in params:
-            if not inside or kind != NONE:
+            if kind != NONE or (not inside and v in trainable):
                 return None
         elif v in outputs:
             if inside and kind != NONE:
                 return None
-            if not inside and low.graph.values[v].meta.dtype.is_floating_point and kind != groups:
+            if not inside and v in low.grad_values and not (
+                    isinstance(kind, frozenset) and kind <= every):
                 return None
-    trainable = {p for p in params if low.graph.values[p].kind == "param"
-                 and low.graph.values[p].requires_grad}
+    out: dict[str, tuple[Group, ...]] = {}
     for p in trainable:
         held = low.held.get(p, {})
-        whole = full_box(low.graph.values[p].meta.shape)
-        if low.param_grad.get(p, ()) or set(held) != members \
-                or any(piece.box != whole or piece.is_partial for piece in held.values()):
+        if set(held) != members or any(q.is_partial for q in held.values()):
             return None
-    return trainable, outputs
+        if p not in low.copied and low.param_grad.get(p, ()):
+            return None
+        # the sum: over the holders that the groups and, for a pipeline stage's copy
+        # (lower/copies.py), its copies' sums link, each set holding one piece
+        sums = _linked(list(every) + list(low.param_grad.get(p, ())))
+        if any(len({held[d].box for d in g}) != 1 for g in sums):
+            return None
+        out[p] = sums
+    return out, outputs
+
+
+def _linked(groups: list[Group]) -> tuple[Group, ...]:
+    """The groups merged where they share a device: the sets of devices they link."""
+    merged: list[set[int]] = []
+    for g in groups:
+        touch = [m for m in merged if m & set(g)]
+        new = set(g).union(*touch)
+        merged = [m for m in merged if not m & set(g)] + [new]
+    return tuple(sorted(tuple(sorted(m)) for m in merged))
+
+
+def _by_shared_params(low: "Lowering", candidates: dict[str, frozenset]) -> list[list[str]]:
+    """The candidate values in sets whose cones share a trainable parameter (per-block
+    lookups of one table: their sums move together or not at all)."""
+    parent = {v: v for v in candidates}
+
+    def root(v: str) -> str:
+        while parent[v] != v:
+            parent[v] = v = parent[parent[v]]
+        return v
+
+    first: dict[str, str] = {}  # parameter → the first candidate whose cone reads it
+    for value in candidates:
+        cone = _cone(low, value)
+        for p in _trainable(low, cone[1]) if cone else ():
+            if p in first:
+                a, b = root(first[p]), root(value)
+                if a != b:
+                    parent[b] = a
+            else:
+                first[p] = value
+    sets: dict[str, list[str]] = {}
+    for value in candidates:
+        sets.setdefault(root(value), []).append(value)
+    return list(sets.values())
 
 
 def defer_replicated_sums(low: "Lowering") -> None:
     """Move each movable ``grad_all_reduce`` to its cone's parameters (module docstring)."""
-    if low.plan.pipeline is not None:
-        return
     candidates = {v: kind for v, _, kind in low.reads if isinstance(kind, frozenset)}
     gone: set[int] = set()
-    for value, groups in candidates.items():
-        movable = _movable(low, value, groups)
+    for values in _by_shared_params(low, candidates):
+        movable = _movable(low, values, {v: candidates[v] for v in values})
         if movable is None:
             continue
-        params, values = movable
-        for p in params:
-            low.param_grad[p] = tuple(sorted(groups))
-        # every value of the cone read outside it (through the same lone grad_all_reduce, as
+        sums, cone_values = movable
+        low.param_grad.update(sums)
+        # every value of the cone read outside it (through a lone grad_all_reduce, as
         # checked): a step kept on an inner one would sum its part twice, there and at the
         # parameters
-        for v in values:
+        for v in cone_values:
             gone |= {id(s) for s in low.grad_steps.get(v, [])}
     if gone:
         for prog in low.programs:

@@ -57,6 +57,9 @@ class Lowering:
         self.input_reads: dict[str, dict[int, Box]] = {}
         """Graph input → the region of it each device reads (their bounding box)."""
         self.nodes = {n.name: n for n in graph.nodes}
+        self.grad_values = graph.grad_values()
+        """Values whose gradient backward computes: a read of any other needs no gradient
+        sum (a constant mask read whole by a split op)."""
         self.reads: list[tuple[str, str, object]] = []
         """(value, reading node, how it got there: :func:`torchweave.lower.defer.read_kind`)."""
         self.grad_steps: dict[str, list] = {}
@@ -265,7 +268,7 @@ class Lowering:
         else:
             der = derive(v.meta.shape, self.held[value], needs,
                          defer_grad_sum=is_param and self.defer[value],
-                         differentiable=v.meta.dtype.is_floating_point)
+                         differentiable=value in self.grad_values)
         self._kinds[key] = kind = read_kind(der.steps)
         self.reads.append((value, node.name, kind))
         if isinstance(kind, frozenset):

@@ -63,11 +63,21 @@ def sequence(ctx: Context):
         return dim
     outs = ctx.graph.output_metas(ctx.node)
     spec = ctx.op.bound.annotation.outputs[0] if ctx.op.bound.annotation.outputs else None
+    if ctx.node.outputs and ctx.node.outputs[0] not in _batched(ctx.graph):
+        return None  # parameters alone (a [T, T, heads] bias table lookup): no sequence axis
     if outs and spec is not None and not spec.opaque and len(outs[0].shape) >= 3:
         axis = spec.axes[1]
         if axis.dims and ctx.can_split(axis.dims[0].name):
             return axis.dims[0].name
     return None
+
+
+def _batched(graph: Graph) -> frozenset[str]:
+    """``graph.batched_values()``, kept on the graph while one plan is made."""
+    got = graph.__dict__.get("_batched")
+    if got is None:
+        got = graph.__dict__["_batched"] = graph.batched_values()
+    return got
 
 
 def _mesh(world_size: int, tp_size: int | None) -> Mesh:
@@ -96,7 +106,7 @@ def tp(graph: Graph, world_size: int, *, tp_size: int | None = None,
     mesh = _mesh(world_size, tp_size)
     plan = propagate(graph, mesh, inputs=batch_inputs(graph, "dp", mesh.dim("dp")),
                      rule=megatron if dims is None else given(dims),
-                     name="tp" if dims is None else "tp-solved")
+                     name="tp" if dims is None else "tp-solved", pull=dims is None)
     plan.notes["policy"] = f"tp(tp_size={mesh.dim('tp')}{'' if dims is None else ', solved'})"
     return plan
 
@@ -105,6 +115,6 @@ def sp(graph: Graph, world_size: int, *, tp_size: int | None = None) -> Plan:
     """Tensor parallelism plus sequence parallelism in norms, dropout and residuals."""
     mesh = _mesh(world_size, tp_size)
     plan = propagate(graph, mesh, inputs=batch_inputs(graph, "dp", mesh.dim("dp")),
-                     rule=sequence, name="sp")
+                     rule=sequence, name="sp", pull=True)
     plan.notes["policy"] = f"sp(tp_size={mesh.dim('tp')})"
     return plan

@@ -40,7 +40,6 @@ from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import op_time
 from torchweave.sim.step.backward import Buckets
-from torchweave.sim.step.context import batched_values
 
 @dataclass(frozen=True)
 class Shares:
@@ -79,9 +78,12 @@ class Shares:
                    seconds) -> np.ndarray:
         """Per stage, the seconds of those sums one micro-batch's backward pays: each value's
         ``shares[value]`` of its bytes (``default`` where not given), summed by
-        ``seconds(bytes)`` on the first stage of its maker's pipeline rank that reads it."""
+        ``seconds(bytes)`` on the first stage of its maker's pipeline rank that reads it. A
+        value read on its own stage alone is left out: its sum moves to its parameters."""
         out = np.zeros(len(self.block_f))
         for name, made, readers, nbytes in self.fixed:
+            if set(readers) <= {made}:  # read on its own stage alone: lowering moves the sum
+                continue  # to its parameters (lower/defer.py), summed with the others
             t = next((t for t in readers if t % pp == made % pp), None)
             if t is not None:
                 out[t] += seconds(int(nbytes * shares.get(name, default)))
@@ -141,7 +143,7 @@ class Timing:
         for n in graph.nodes:
             t = op_time(info(graph, n), cluster.device, dtype=dtype or torch.float32)
             self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
-        self._batched = batched_values(graph)  # values a micro-batch splits (as the simulator has them)
+        self._batched = graph.batched_values()  # values a micro-batch splits (as the simulator has them)
         self._shares: dict[int, Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
         self._links: dict[int, tuple[float, float]] = {}

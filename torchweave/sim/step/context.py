@@ -68,7 +68,7 @@ class StepContext:
         self.grads = self.graph.grad_values()
         """Values that carry a gradient (``Graph.grad_values``): only their ops and
         communication have a backward."""
-        self.batched = batched_values(self.graph)
+        self.batched = self.graph.batched_values()
         """Values made from a graph input: a pipeline's micro-batches split their work."""
         for node in self.graph.nodes:
             self.costs[node.name] = self._node_cost(node)
@@ -183,17 +183,4 @@ class StepContext:
         return self.block_of.get(ins.node if isinstance(ins, Compute) else ins.consumer)
 
 
-def batched_values(graph: Graph) -> frozenset[str]:
-    """Values made from a graph input. A pipeline splits every input into micro-batches
-    along dim 0, so their work is shared out among them; any other value (a
-    relative-position bias, rotary tables: parameters and constants alone) is made whole
-    with each micro-batch. A read of an input's dtype alone counts too: ``x.new_zeros``
-    makes a tensor of the batch's shape."""
-    out: set[str] = set(graph.inputs)
-    for node in graph.nodes:
-        if any(r.name in out for r in node.input_refs()):
-            out.update(o for o in node.outputs if o)
-    return frozenset(out)
-
-
-__all__ = ["StepContext", "batched_values"]
+__all__ = ["StepContext"]
