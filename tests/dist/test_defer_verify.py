@@ -23,9 +23,10 @@ def test_moved_and_kept_sums_match_one_device() -> None:
 @pytest.mark.dist
 def test_sums_moved_in_pipelines_match_one_device() -> None:
     """Per-block lookups of one table, their sums over dp moved to each stage's copy of it
-    (and a GPT's position table, read on its own stage), against one device."""
+    (and a GPT's position table, read on its own stage), and one parameter behind two sums
+    over different groups (kept where they are read), against one device."""
     from tests.conftest import built
-    from tests.unit.test_defer import _PerBlock
+    from tests.unit.test_defer import _PerBlock, _TwoSums
 
     torch.manual_seed(0)
     x = torch.randn(8, 8, 4)
@@ -33,5 +34,6 @@ def test_sums_moved_in_pipelines_match_one_device() -> None:
     cases = [Case(_PerBlock(), (x,), plan, name=f"per-block/{plan}")
              for plan in ("1f1b:pp=2,dp=2,micro=2", "interleaved:pp=2,dp=2,micro=2,zero=1")]
     cases.append(Case(gpt, inputs, "gpipe:pp=2,dp=2,micro=2", name="gpt/gpipe"))
+    cases.append(Case(_TwoSums(), (x,), "tp:tp=2", name="two-sums/tp"))
     for report in verify_many(cases, world_size=4):
         assert report.ok, str(report)

@@ -163,3 +163,26 @@ def test_the_relative_position_bias_is_made_split_as_attention_reads_it(spec: st
         tables += [s for s in prog.params if s.path.endswith("bias.embed.weight")]
     assert {s.path for s in tables} == {"enc_bias.embed.weight", "dec_bias.embed.weight"}
     assert all(s.box[1][1] - s.box[1][0] < heads for s in tables)
+
+
+class _TwoSums(nn.Module):
+    """One parameter behind two values that need different sums under ``tp``: one read by a
+    tp-split op (summed over dp x tp), one by a tp-replicated op (over dp alone). Found in
+    review: moved together to the parameter, the second's contribution counted tp times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.P = nn.Parameter(torch.randn(8, 4))
+        self.fc1 = nn.Linear(4, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x) * self.P.sum(-1, keepdim=True)
+        return (self.fc2(h) + self.P * 2.0).pow(2).mean()
+
+
+def test_values_summed_over_different_groups_keep_their_sums() -> None:
+    torch.manual_seed(0)
+    graph = torchweave.capture(_TwoSums(), (torch.randn(4, 8, 4),))
+    for prog in lower(graph, resolve("tp:tp=2", graph, 4)):
+        assert len(_grad_all_reduces(prog)) == 2 and _summed(prog)["P"] == ()

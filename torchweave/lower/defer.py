@@ -108,6 +108,11 @@ def _movable(low: "Lowering", values: list[str], groups: dict[str, frozenset[Gro
         return None
     every = frozenset().union(*groups.values())
     members = set().union(*every)
+    summed: dict[int, Group] = {}
+    for g in every:  # the values' sums must agree on every device (one per stage's devices
+        for d in g:  # in a pipeline): where one is summed over dp and another over dp x tp,
+            if summed.setdefault(d, g) != g:  # no one sum at the parameters is right
+                return None
     trainable = _trainable(low, params)
     outputs = {o for n in nodes for o in low.nodes[n].outputs if o}
     for v, reader, kind in low.reads:
@@ -130,11 +135,24 @@ def _movable(low: "Lowering", values: list[str], groups: dict[str, frozenset[Gro
             return None
         # the sum: over the holders that the groups and, for a pipeline stage's copy
         # (lower/copies.py), its copies' sums link, each set holding one piece
-        sums = _linked(list(every) + list(low.param_grad.get(p, ())))
-        if any(len({held[d].box for d in g}) != 1 for g in sums):
+        copies = low.param_grad.get(p, ())
+        sums = _linked(list(every) + list(copies))
+        if any(len({held[d].box for d in g}) != 1 for g in sums) or \
+                not all(_grid(j, every, copies) for j in sums):
             return None
         out[p] = sums
     return out, outputs
+
+
+def _grid(linked: Group, groups: frozenset[Group], copies: tuple[Group, ...]) -> bool:
+    """Whether ``linked`` is a grid of the groups and the copies' sums in it: each group (a
+    stage's devices summed over dp) meets each copies' sum (one device per stage) in exactly
+    one device. Then it holds one device of every stage and dp rank, none twice; two groups
+    of one stage linked together (tensor-parallel replicas, which hold the same
+    contribution) would count a contribution twice."""
+    inner = [set(g) for g in groups if set(g) <= set(linked)]
+    across = [set(c) for c in copies if set(c) <= set(linked)]
+    return not across or all(len(g & c) == 1 for g in inner for c in across)
 
 
 def _linked(groups: list[Group]) -> tuple[Group, ...]:
