@@ -73,11 +73,13 @@ def sequence(ctx: Context):
 
 
 def _batched(graph: Graph) -> frozenset[str]:
-    """``graph.batched_values()``, kept on the graph while one plan is made."""
+    """``graph.batched_values()``, kept on the graph (as its ``_``-named caches are: not
+    pickled) for the rule's calls on each node; made again if the nodes change."""
+    key = (id(graph.nodes), len(graph.nodes))
     got = graph.__dict__.get("_batched")
-    if got is None:
-        got = graph.__dict__["_batched"] = graph.batched_values()
-    return got
+    if got is None or got[0] != key:
+        got = graph.__dict__["_batched"] = (key, graph.batched_values())
+    return got[1]
 
 
 def _mesh(world_size: int, tp_size: int | None) -> Mesh:
