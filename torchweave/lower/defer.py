@@ -20,17 +20,18 @@ moves to the cone's parameters when:
   of ``G`` computes the whole cone alike;
 - every floating value of the cone is read outside it only through a lone
   ``grad_all_reduce`` over the same ``G`` (inside it, with no step);
-- every parameter of the cone is read only inside it, is held by exactly the ranks
-  of ``G``, each group of ``G`` holding one piece of it (whole, or its share of a
-  split the readers pulled back: ``plan/propagate.py``), and has no gradient sum of
-  its own, or, as a pipeline stage's copy (``lower/copies.py``), one whose groups
-  already span each group of ``G``;
+- every trainable parameter of the cone is read only inside it, is held by exactly
+  the ranks of ``G``, each group of ``G`` holding one piece of it (whole, or its
+  share of a split the readers pulled back: ``plan/propagate.py``), and has no
+  gradient sum of its own, or, as a pipeline stage's copy (``lower/copies.py``),
+  copies' sums that link with ``G`` into grids (:func:`_grid`): the parameter is
+  then summed over the linked sets;
 - the cone has no co-sharded node.
 
-Cones that share a parameter (a table each block looks up for itself) are taken
-together: their sums move together or not at all. In a pipeline a value read on
-another stage crosses by a transfer, not a lone ``grad_all_reduce``, so its cone
-stays as it is.
+Cones that share a trainable parameter (a table each block looks up for itself)
+are taken together: their sums move together or not at all, and must agree on
+every device. In a pipeline a value read on another stage crosses by a transfer,
+not a lone ``grad_all_reduce``, so its cone stays as it is.
 
 Then the ``grad_all_reduce`` steps of every value of the cone go (an inner
 value read by a split op too: a step kept there would sum its part twice),
@@ -91,15 +92,15 @@ def _trainable(low: "Lowering", params: set[str]) -> set[str]:
             and low.graph.values[p].requires_grad}
 
 
-def _movable(low: "Lowering", values: list[str], groups: dict[str, frozenset[Group]]
-             ) -> tuple[dict[str, tuple[Group, ...]], set[str]] | None:
+def _movable(low: "Lowering", values: list[str], groups: dict[str, frozenset[Group]],
+             cones: dict) -> tuple[dict[str, tuple[Group, ...]], set[str]] | None:
     """(each cone parameter's gradient groups, the cone's values) if the sums of ``values``
-    (whose cones share trainable parameters; ``groups[v]``: ``v``'s sum) may move to the
-    parameters (module docstring), else None."""
+    (whose cones share trainable parameters; ``groups[v]``: ``v``'s sum; ``cones[v]``: its
+    cone) may move to the parameters (module docstring), else None."""
     nodes: set[str] = set()
     params: set[str] = set()
     for value in values:
-        cone = _cone(low, value)
+        cone = cones[value]
         if cone is None:
             return None
         nodes |= cone[0]
@@ -165,10 +166,10 @@ def _linked(groups: list[Group]) -> tuple[Group, ...]:
     return tuple(sorted(tuple(sorted(m)) for m in merged))
 
 
-def _by_shared_params(low: "Lowering", candidates: dict[str, frozenset]) -> list[list[str]]:
+def _by_shared_params(low: "Lowering", cones: dict) -> list[list[str]]:
     """The candidate values in sets whose cones share a trainable parameter (per-block
     lookups of one table: their sums move together or not at all)."""
-    parent = {v: v for v in candidates}
+    parent = {v: v for v in cones}
 
     def root(v: str) -> str:
         while parent[v] != v:
@@ -176,8 +177,7 @@ def _by_shared_params(low: "Lowering", candidates: dict[str, frozenset]) -> list
         return v
 
     first: dict[str, str] = {}  # parameter → the first candidate whose cone reads it
-    for value in candidates:
-        cone = _cone(low, value)
+    for value, cone in cones.items():
         for p in _trainable(low, cone[1]) if cone else ():
             if p in first:
                 a, b = root(first[p]), root(value)
@@ -186,7 +186,7 @@ def _by_shared_params(low: "Lowering", candidates: dict[str, frozenset]) -> list
             else:
                 first[p] = value
     sets: dict[str, list[str]] = {}
-    for value in candidates:
+    for value in cones:
         sets.setdefault(root(value), []).append(value)
     return list(sets.values())
 
@@ -195,8 +195,9 @@ def defer_replicated_sums(low: "Lowering") -> None:
     """Move each movable ``grad_all_reduce`` to its cone's parameters (module docstring)."""
     candidates = {v: kind for v, _, kind in low.reads if isinstance(kind, frozenset)}
     gone: set[int] = set()
-    for values in _by_shared_params(low, candidates):
-        movable = _movable(low, values, {v: candidates[v] for v in values})
+    cones = {v: _cone(low, v) for v in candidates}
+    for values in _by_shared_params(low, cones):
+        movable = _movable(low, values, {v: candidates[v] for v in values}, cones)
         if movable is None:
             continue
         sums, cone_values = movable

@@ -58,8 +58,7 @@ class Lowering:
         """Graph input → the region of it each device reads (their bounding box)."""
         self.nodes = {n.name: n for n in graph.nodes}
         self.grad_values = graph.grad_values()
-        """Values whose gradient backward computes: a read of any other needs no gradient
-        sum (a constant mask read whole by a split op)."""
+        """Values backward makes a gradient of: a read of any other sums none (a constant mask)."""
         self.reads: list[tuple[str, str, object]] = []
         """(value, reading node, how it got there: :func:`torchweave.lower.defer.read_kind`)."""
         self.grad_steps: dict[str, list] = {}
@@ -345,7 +344,8 @@ class Lowering:
                 prog.instrs = [replace(i, step=replace(i.step, regather=False))
                                if isinstance(i, Comm) and i.dst in self.whole
                                and getattr(i.step, "regather", False) else i for i in prog.instrs]
-            _insert_frees(prog)
+            # ``del`` each local tensor after its last use (keeps peak memory honest)
+            prog.instrs = insert_frees(prog.instrs, {prog.loss or ""} | {i.local for i in prog.inputs})
 
 
 def _regathers(step, value) -> bool:
@@ -376,11 +376,6 @@ def recycle_links(low: Lowering, recycle: Recycle) -> list[RecycleLink]:
         assert all(low.local.get((link.output, d), link.output) == link.output for d in sources)
         out.append(RecycleLink(link.input, link.index, link.output, step, tuple(sorted(reads.items()))))
     return out
-
-
-def _insert_frees(prog: Program) -> None:
-    """``del`` each local tensor after its last use (keeps peak memory honest)."""
-    prog.instrs = insert_frees(prog.instrs, {prog.loss or ""} | {i.local for i in prog.inputs})
 
 
 def lower(graph: Graph, plan: Plan, *, stages: bool = True) -> list[Program]:

@@ -164,8 +164,8 @@ def _pull(graph: Graph, infos: dict[str, OpInfo], choice: dict[str, dict[str, st
         if spec is None or spec.opaque or a >= len(spec.axes) or not spec.axes[a].dims:
             continue
         dim = spec.axes[a].dims[0].name
-        if dim in bound.splittable() and bound.dim(dim).kind != "reduce" and \
-                bound.sizes[dim] % parts == 0:
+        if bound.dim(dim).kind != "reduce" and \
+                Context(graph, node, infos[node.name], axis, parts, [], {}).can_split(dim):
             mine[axis] = dim
 
 
