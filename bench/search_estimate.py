@@ -13,7 +13,8 @@ as the search estimates it and simulated in full, with two estimates side by sid
 - *search*: the point's own schedule run on per-stage costs from the real cut
   (``torchweave/search/timed.py``), what the search uses now.
 
-Run: python bench/search_estimate.py [--model t5|gpt] [--cluster SPEC] [--readme] [--section NAME]
+Run: python bench/search_estimate.py [--model t5|gpt] [--cluster SPEC] [--tied copy send] [--readme]
+[--section NAME]
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def main() -> int:
                          "gpt: GPT-3 1.3B")
     ap.add_argument("--cluster", default="32xV100-32GB-SXM2@8")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tied", nargs="+", choices=("copy", "send"), default=["copy"],
+                    help="the points' tied= (send: a lookup of a table several stages read "
+                         "runs where the table is; T5's decoder embedding)")
     ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     ap.add_argument("--section", help="the bench/README.md section to write (default "
                                       "search-estimate-MODEL)")
@@ -65,13 +69,13 @@ def main() -> int:
         for pp in (2, 4, 8):
             dp = cluster.size // (tp * pp)
             for virtual in (1, 2, 3, 4, 6):
-                for micro in (16, 32):
+                for micro, tied in ((m, t) for m in (16, 32) for t in args.tied):
                     if (dp < 1 or args.batch % (dp * micro) or micro < pp or len(blocks) % (pp * virtual)
                             or (virtual > 1 and micro % pp)):  # the search space's rules
                         continue
                     pt = Point(tp=tp, pp=pp, dp=dp, micro=micro, virtual=virtual,
                                schedule="interleaved" if virtual > 1 else "1f1b",
-                               recompute="none", zero=0, sp=True)
+                               recompute="none", zero=0, sp=True, tied=tied)
                     if tp not in proxies:
                         proxies[tp] = proxy(graph, blocks, cluster, tp, True, "none",
                                             dtype=dtype, precision="bf16-mixed")

@@ -41,6 +41,9 @@ from torchweave.policies.tensor import tp as tp_policy
 MODELS: tuple[str, ...] = ("gpt-tiny", "llama-tiny", "moe-tiny", "vit-tiny", "swin-tiny", "t5-tiny",
                            "recycler-tiny", "hf-gpt2-tiny", "hf-llama-tiny")
 """Model families drawn from (bundled factories; the ``hf-`` ones are transformers models)."""
+LOOKUPS = ("t5-tiny",)
+"""Models with a lookup of a table an earlier op reads too (the decoder embedding), where a
+pipeline's ``tied=send`` moves something (``pipeline_policy.shared_lookups``)."""
 BATCH = 8
 """Every drawn model runs on a global batch of this many rows."""
 SCHEDULE_NAMES = BUILTIN
@@ -88,6 +91,8 @@ class Draw:
                 out.append("virtual stages")
             if p.get("cuts"):
                 out.append("drawn cuts")
+            if p.get("tied"):
+                out.append(f"tied={p['tied']}")
             if p.get("recycle", 1) > 1:
                 out.append("multi-forward")
         if p.get("zero"):
@@ -154,6 +159,8 @@ def draw(seed: int, *, models: tuple[str, ...] = MODELS, world_sizes: tuple[int,
             plan["coshard"] = {"at": rng.random(), "length": rng.choice([1, 2, 3]), "k": 2}
         if rng.random() < 0.05:
             step["grad_accum"] = 2  # pipelines take their micro-batches from the plan: rejected
+        if model in LOOKUPS and random.Random(f"tied {seed}").random() < 0.5:
+            plan["tied"] = "send"  # its own stream: the other draws of a seed stay as they were
     else:
         plan["micro"] = rng.choice([m for m in (ws, 2 * ws) if BATCH % m == 0] or [ws])
     if rng.random() < 0.3:
@@ -202,7 +209,7 @@ def build_plan(d: Draw, graph: Graph, world_size: int) -> Plan:
             cuts = None  # collisions on a short graph: fall back to the balanced cut
         plan = pipeline(graph, world_size, schedule=p["schedule"], pp=p["pp"], tp=p["tp"],
                         dp=p["dp"], micro=p["micro"], virtual=p.get("virtual"),
-                        zero=p.get("zero", 0), cuts=cuts)
+                        zero=p.get("zero", 0), cuts=cuts, tied=p.get("tied", "copy"))
         if p.get("recycle", 1) > 1:
             with_recycle(plan, graph, p["recycle"])
         if p.get("coshard"):

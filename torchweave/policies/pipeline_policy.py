@@ -40,6 +40,9 @@ from torchweave.policies.recompute import block_of as _block
 from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
+TiedMode = Literal["copy", "send"]
+TIED: tuple[str, ...] = ("copy", "send")
+"""How a pipelined plan holds a parameter read on several stages (``tied=`` in plan strings)."""
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb"]
 """For type checkers: the names of ``SCHEDULES`` (a test holds the two equal)."""
 SCHEDULES: tuple[str, ...] = BUILTIN
@@ -63,7 +66,7 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
              cuts: list[int] | None = None, recycle: int = 1,
              dims: dict[str, str | None] | None = None, sequence: bool = False,
-             ep: int = 1) -> Plan:
+             ep: int = 1, tied: TiedMode = "copy") -> Plan:
     """A pipelined plan: ``pp`` groups of ``dp * ep * tp`` devices, ``micro`` micro-batches.
 
     Defaults: ``dp = world_size / (pp * tp)`` when ``pp`` is given, else 1;
@@ -75,7 +78,10 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     node's split on ``tp`` inside a stage (see :func:`~torchweave.policies.tensor.tp`);
     ``sequence``: Megatron's split with sequence parallelism inside each stage
     (:func:`~torchweave.policies.tensor.sp`). ``ep`` > 1: each stage splits its experts
-    over ``ep`` devices (:func:`~torchweave.policies.expert.ep`).
+    over ``ep`` devices (:func:`~torchweave.policies.expert.ep`). ``tied``: how a parameter
+    that ops on several stages read is held: ``copy`` (each stage a copy, their gradients
+    summed once a step, as Megatron-LM holds a tied embedding), or ``send``
+    (:func:`send_lookups`: a lookup on a later stage runs on the parameter's stage instead).
     """
     if schedule not in SCHEDULES:
         raise TorchweaveError(Problem(obj="pipeline schedule", value=repr(schedule),
@@ -113,6 +119,12 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     else:
         plan = _group_plan(graph, inner, tp, dp, zero, dims, sequence)
     stage_of = cut(graph, n_stages) if cuts is None else cut_at(graph, cuts, n_stages)
+    if tied not in TIED:
+        raise TorchweaveError(Problem(obj=f"{schedule} plan", value=f"tied={tied}",
+                                      rule=f"tied is one of {', '.join(TIED)}",
+                                      fix="tied=copy (the default) or tied=send"))
+    if tied == "send":
+        stage_of = send_lookups(graph, stage_of)
     mesh = Mesh.of(pp=pp, dp=dp, ep=ep, tp=tp) if ep > 1 else Mesh.of(pp=pp, dp=dp, tp=tp)
     groups = [tuple(range(k * inner, (k + 1) * inner)) for k in range(pp)]
     stage_rank = list(loop_stage_to_rank(n_stages, pp).values())
@@ -127,9 +139,56 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
                             + (f"ep={ep}, " if ep > 1 else "") +
                             f"micro={micro}, virtual={virtual}, zero={zero}"
                             f"{', sequence' if sequence else ''})")
+    if tied != "copy":
+        plan.notes["policy"] += f", tied={tied}"
     if recycle != 1:
         with_recycle(plan, graph, recycle)
     return plan
+
+
+def send_lookups(graph: Graph, stage_of: dict[str, int]) -> dict[str, int]:
+    """``stage_of`` with each lookup of an earlier stage's parameter moved to that stage.
+
+    A lookup here is an op that reads parameters, all first read on one earlier stage,
+    and a model input, and otherwise only buffers: an encoder-decoder's decoder
+    embedding, which reads the target tokens and the vocabulary the encoder's stage 0
+    holds. Run on stage 0, it sends its output (one micro-batch's embeddings) to the stage
+    that reads it, in place of a copy of the whole table on that stage and the sum of the
+    copies' gradients once a step. An op that also reads an activation (a tied output
+    head) stays where it is.
+    """
+    first: dict[str, int] = {}
+    for node in graph.nodes:
+        for ref in node.input_refs():
+            if graph.values[ref.name].kind == "param":
+                first[ref.name] = min(first.get(ref.name, stage_of[node.name]), stage_of[node.name])
+    out = dict(stage_of)
+    for node in graph.nodes:
+        homes = {first[p] for p in _looked_up(graph, node)}
+        if len(homes) == 1 and min(homes) < out[node.name]:
+            out[node.name] = min(homes)
+    return out
+
+
+def shared_lookups(graph: Graph) -> list[str]:
+    """The ops :func:`send_lookups` moves under some cut: lookups of a parameter that an op
+    before them reads too (elsewhere ``tied=send`` builds the same plan as ``copy``)."""
+    seen: set[str] = set()
+    out = []
+    for node in graph.nodes:
+        if _looked_up(graph, node) & seen:
+            out.append(node.name)
+        seen.update(r.name for r in node.input_refs() if graph.values[r.name].kind == "param")
+    return out
+
+
+def _looked_up(graph: Graph, node) -> set[str]:
+    """The parameters ``node`` looks up: it reads them and a model input, and no
+    activation (a transposed weight alone would send the table itself); else empty."""
+    kinds = {r.name: graph.values[r.name].kind for r in node.input_refs()}
+    if "activation" in kinds.values() or "input" not in kinds.values():
+        return set()
+    return {name for name, kind in kinds.items() if kind == "param"}
 
 
 def with_recycle(plan: Plan, graph: Graph, passes: int,

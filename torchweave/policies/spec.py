@@ -39,6 +39,11 @@ Options (each policy takes those listed in :data:`OPTIONS`):
               ``sp``, and ``1f1b:tp=8,pp=4,split=sequence`` pipelines it) or
               ``solved`` (each op's split chosen by the search's solver for the
               cluster, :mod:`torchweave.search.intra`)
+``tied``      pipelines: how a parameter read on several stages is held: ``copy``
+              (the default; each stage a copy, their gradients summed once a step, as
+              Megatron-LM holds a tied embedding) or ``send`` (a lookup of it, such as an
+              encoder-decoder's decoder embedding, runs on the stage that holds it and sends
+              its output: :func:`~torchweave.policies.pipeline_policy.send_lookups`)
 ``preset``    ``auto`` only: the constraint set the search starts from
               (:mod:`torchweave.search`)
 ``exhaustive`` ``auto`` only: ``1`` builds and simulates every point of the space,
@@ -58,14 +63,15 @@ from torchweave.plan.plan import Plan
 from torchweave.policies.coshard import parse_coshard, with_coshard_spec
 from torchweave.policies.data import dp as dp_policy
 from torchweave.policies.expert import ep as ep_policy
-from torchweave.policies.pipeline_policy import SCHEDULES, interlaced, mesh_degrees
+from torchweave.policies.pipeline_policy import SCHEDULES, TIED, interlaced, mesh_degrees
 from torchweave.policies.pipeline_policy import pipeline as pipeline_policy
 from torchweave.policies.random import random_plan
 from torchweave.policies.recompute import MODES, with_recompute
 from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
-_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split", "coshard", "ep")
+_PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split", "coshard", "ep",
+         "tied")
 _PIPELINES = (*SCHEDULES, "interlaced")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "dp": ("dp", "zero", "recompute", "accum", "coshard"),
@@ -101,6 +107,11 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
     if key == "split":
         return (value, None) if value in SPLIT_OPTIONS else (
             None, f"split is one of {', '.join(SPLIT_OPTIONS)}")
+    if key == "tied":
+        return (value, None) if value in TIED else (
+            None, "tied is copy (a parameter read on several stages: a copy on each, their "
+                  "gradients summed once a step) or send (a lookup of it runs on its stage and "
+                  "sends the result)")
     if key == "coshard":
         return (value, None) if parse_coshard(value) is not None else (
             None, "coshard is K (the output head in K chunks) or module names joined by '+' "

@@ -17,6 +17,8 @@ YAML file in ``torchweave/search/presets/`` (:func:`preset`):
     schedules: [none, 1f1b, interleaved, zb]   # none: no pipeline
     recompute: [none, selective, full]
     coshard: [0, 4]           # the output head in K chunks (0: not co-sharded)
+    tied: [copy, send]        # pipelines: a parameter read on several stages copied, or its
+                              # lookups run where it is held (plan strings' tied=)
     zero: [0, 1]
     sp: true                  # tensor parallelism may shard the sequence between ops
     split: [rule, solved]     # ops split on tp by Megatron's rules, by the solver, or both
@@ -44,6 +46,7 @@ import yaml
 
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.plan.schedules import BUILTIN
+from torchweave.policies.pipeline_policy import TIED
 from torchweave.policies.spec import SPLITS
 
 SCHEDULE_NAMES = ("none", *BUILTIN, "interlaced")
@@ -56,7 +59,7 @@ COSHARD = ("0", "2", "4", "8", "16")
 """Co-shard of the output head: 0 (none) or the chunks each device runs it in
 (:mod:`torchweave.policies.coshard`)."""
 TOP_KEYS = ("preset", "tp", "pp", "dp", "ep", "micro", "virtual", "schedules", "recompute", "coshard", "zero",
-            "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
+            "tied", "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
 OP_KEYS = ("type", "module", "name", "split", "parts", "replicate")
 RANGE_KEYS = ("min", "max", "powers_of_two")
 
@@ -132,6 +135,10 @@ class Constraints:
     coshard: tuple[int, ...] = (0,)
     """The output head (LM head and loss) in K chunks per device (0: whole)."""
     zero: tuple[int, ...] = (0, 1, 2, 3)
+    tied: tuple[str, ...] = ("copy",)
+    """How pipelines hold a parameter that several stages read (``tied=`` in plan strings):
+    ``copy`` (a copy a stage, summed once a step) and/or ``send`` (its lookups run on its
+    stage: :func:`~torchweave.policies.pipeline_policy.send_lookups`)."""
     sp: bool = True
     split: tuple[str, ...] = SPLITS
     memory_gib: float | None = None
@@ -252,6 +259,8 @@ class _Reader:
         if "zero" in items:
             out["zero"] = tuple(int(x) for x in self.choices(items["zero"], "zero",
                                                              ("0", "1", "2", "3")))
+        if "tied" in items:
+            out["tied"] = tuple(self.choices(items["tied"], "tied", TIED))
         if "sp" in items:
             out["sp"] = self.boolean(items["sp"], "sp")
         if "split" in items:

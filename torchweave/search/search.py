@@ -41,6 +41,7 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.recompute import block_of
+from torchweave.policies.pipeline_policy import shared_lookups
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.admit import admissible
 from torchweave.search.constraints import Constraints, preset
@@ -167,7 +168,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     numbered = len({k for k in (block_of(n.module or "") for n in graph.nodes) if k})
     pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered,
                            experts=expert_count(graph) if any(c.ep.allows(e) for e in range(2, world + 1))
-                           else 0)
+                           else 0, lookups=bool(shared_lookups(graph)))
     say(f"{len(pts)} points in the space ({c.name}) for {world} ranks, batch {batch}, "
         f"{len(blocks) if blocks else 'no'} repeated blocks")
     ests: dict[Point, Estimate] = {}

@@ -35,6 +35,9 @@ class Point:
     """The output head run in this many chunks per device (0: whole; ``coshard=K``)."""
     ep: int = 1
     """Experts split over this many devices (``ep``; models with expert parameters only)."""
+    tied: str = "copy"
+    """Pipelines: ``send`` runs lookups of a parameter several stages read where it is held
+    (``tied=send``); ``copy`` keeps a copy on each stage."""
 
     @property
     def spec(self) -> str:
@@ -64,6 +67,8 @@ class Point:
             opts.append(f"zero={self.zero}")
         if self.ep > 1:
             opts.append(f"ep={self.ep}")
+        if self.tied != "copy":
+            opts.append(f"tied={self.tied}")
         return f"{self.schedule}:" + ",".join(opts + ([rec] if rec else []))
 
 
@@ -72,13 +77,15 @@ def divisors(n: int) -> list[int]:
 
 
 def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int | None = None,
-           experts: int = 0) -> tuple[list[Point], list[str]]:
+           experts: int = 0, lookups: bool = False) -> tuple[list[Point], list[str]]:
     """Every point of the space for ``world`` ranks, a global batch of ``batch`` samples and
     ``blocks`` repeated blocks (0: no pipelines; ``numbered``: the model's numbered blocks,
     identical or not, which the interlaced pipeline spreads over the devices; default
     ``blocks``); and why the degrees the constraints allow are left out, where all of some
     degree is. ``experts``: how many experts the model's expert ops index (0: none); with
-    some, expert-parallel points (:func:`expert_points`) join the space."""
+    some, expert-parallel points (:func:`expert_points`) join the space. ``lookups``: the
+    model has lookups that ``tied=send`` would move (elsewhere it builds the same plan as
+    ``copy``, so only ``copy`` is a point)."""
     out: list[Point] = []
     why: list[str] = []
     tps = [t for t in divisors(world) if c.tp.allows(t)]
@@ -108,7 +115,9 @@ def points(world: int, batch: int, blocks: int, c: Constraints, *, numbered: int
                     for rec in c.recompute:
                         for sp, split in _kinds(tp, c):
                             for co in _chunks(c.coshard, local // m):
-                                out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp, split, co))
+                                for tied in (c.tied if lookups else ("copy",)):
+                                    out.append(Point(tp, pp, dp, m, sched, v, rec, zero, sp, split,
+                                                     co, tied=tied))
     out += interlaced_points(world, batch, blocks if numbered is None else numbered, c)
     if experts:
         out += expert_points(world, batch, blocks, c, experts)
