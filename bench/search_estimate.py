@@ -13,8 +13,8 @@ as the search estimates it and simulated in full, with two estimates side by sid
 - *search*: the point's own schedule run on per-stage costs from the real cut
   (``torchweave/search/timed.py``), what the search uses now.
 
-Run: python bench/search_estimate.py [--model t5|gpt] [--cluster SPEC] [--tied copy send] [--readme]
-[--section NAME]
+Run: python bench/search_estimate.py [--model t5|gpt] [--cluster SPEC] [--tied copy send]
+[--balance flops seconds] [--readme] [--section NAME]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def main() -> int:
     import torchweave
     from search_quality import gpt, t5_250k  # bench/search_quality.py
     from torchweave.policies.spec import PlanSpec
+    from torchweave.search.constraints import preset
+    from torchweave.search.cuts import seconds_points
     from torchweave.search.estimate import estimate, proxy
     from torchweave.search.space import Point
     from torchweave.search.timed import Timing
@@ -48,6 +50,9 @@ def main() -> int:
     ap.add_argument("--tied", nargs="+", choices=("copy", "send"), default=["copy"],
                     help="the points' tied= (send: a lookup of a table several stages read "
                          "runs where the table is; T5's decoder embedding)")
+    ap.add_argument("--balance", nargs="+", choices=("flops", "seconds"), default=["flops"],
+                    help="the points' cut: flops (the pipeline policy's, whole blocks) and/or "
+                         "seconds (the search's, inside blocks where that balances the stages)")
     ap.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     ap.add_argument("--section", help="the bench/README.md section to write (default "
                                       "search-estimate-MODEL)")
@@ -62,6 +67,7 @@ def main() -> int:
     blocks = with_twin(graph, base, find_blocks(graph, base, least=4, nested=False))
     proxies = {}
     timing = Timing(graph, blocks, cluster, dtype, args.batch)
+    free = preset("free")
     rows = ["| point | simulated s | arithmetic s | error | search's estimate s | error |",
             "|---|---|---|---|---|---|"]
     errs: dict[str, list[float]] = {"arithmetic": [], "search": []}
@@ -76,20 +82,22 @@ def main() -> int:
                     pt = Point(tp=tp, pp=pp, dp=dp, micro=micro, virtual=virtual,
                                schedule="interleaved" if virtual > 1 else "1f1b",
                                recompute="none", zero=0, sp=True, tied=tied)
-                    if tp not in proxies:
-                        proxies[tp] = proxy(graph, blocks, cluster, tp, True, "none",
-                                            dtype=dtype, precision="bf16-mixed")
-                    old = estimate(pt, proxies[tp], cluster, len(blocks), precision="bf16-mixed")
-                    new = estimate(pt, proxies[tp], cluster, len(blocks), precision="bf16-mixed",
-                                   schedule_s=timing.price([(pt, proxies[tp])], len(blocks))[pt])
-                    sim = simulate(graph, PlanSpec.parse(pt.spec).build(graph, cluster.size),
-                                   cluster, dtype=dtype).step_time
-                    e1, e2 = old.step_s / sim - 1, new.step_s / sim - 1
-                    errs["arithmetic"].append(abs(e1))
-                    errs["search"].append(abs(e2))
-                    rows.append(f"| `{pt.spec}` | {sim:.4f} | {old.step_s:.4f} | {e1:+.1%} | "
-                                f"{new.step_s:.4f} | {e2:+.1%} |")
-                    print(rows[-1], flush=True)
+                    cut = seconds_points(graph, blocks, free, [pt], timing.op_seconds)
+                    for point in [pt] * ("flops" in args.balance) + cut * ("seconds" in args.balance):
+                        if tp not in proxies:
+                            proxies[tp] = proxy(graph, blocks, cluster, tp, True, "none",
+                                                dtype=dtype, precision="bf16-mixed")
+                        old = estimate(point, proxies[tp], cluster, len(blocks), precision="bf16-mixed")
+                        new = estimate(point, proxies[tp], cluster, len(blocks), precision="bf16-mixed",
+                                       schedule_s=timing.price([(point, proxies[tp])], len(blocks))[point])
+                        sim = simulate(graph, PlanSpec.parse(point.spec).build(graph, cluster.size),
+                                       cluster, dtype=dtype).step_time
+                        e1, e2 = old.step_s / sim - 1, new.step_s / sim - 1
+                        errs["arithmetic"].append(abs(e1))
+                        errs["search"].append(abs(e2))
+                        rows.append(f"| `{point.spec}` | {sim:.4f} | {old.step_s:.4f} | {e1:+.1%} | "
+                                    f"{new.step_s:.4f} | {e2:+.1%} |")
+                        print(rows[-1], flush=True)
     summary = f"{len(errs['search'])} points. Mean |error| (largest; within 5%): " + "; ".join(
         f"{k} {statistics.mean(v):.1%} ({max(v):.1%}; {sum(e <= 0.05 for e in v)})"
         for k, v in errs.items()) + "."

@@ -95,7 +95,9 @@ CASES = {
         ("gpt-tiny", "interleaved:dp=2+buckets"),
         # the decoder embedding run on the vocabulary's stage, its output sent on (no copy)
         ("t5-3x3", "1f1b:pp=4,micro=4,tied=send"), ("t5-3x3", "zb:pp=4,micro=4,tied=send"),
-        ("t5-3x3", "interleaved:pp=2,dp=2,micro=2,zero=1,tied=send")],
+        ("t5-3x3", "interleaved:pp=2,dp=2,micro=2,zero=1,tied=send"),
+        # stages that start inside blocks, named by module (the search's seconds cut)
+        ("t5-3x3", "1f1b:pp=4,micro=4,tied=send,cuts=encoder.1.ff+decoder.0.cross_attn+decoder.2")],
     8: [("gpt-tiny", "1f1b:dp=2,tp=2,zero=1"), ("llama-tiny", "interleaved:dp=2,tp=2,zero=2"),
         ("gpt-tiny", "zb:dp=2,tp=2,zero=1"), ("recycler-tiny", "zb:dp=2,tp=2,zero=1,recycle=2")],
 }

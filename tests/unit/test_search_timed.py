@@ -132,3 +132,33 @@ def test_a_boundary_carries_what_the_next_stages_read(t5):
     assert made == 0 and into[readers[0] - 1] == nbytes and into.sum() == nbytes
     into = sh.received(12, "fixed", one, 0.0)  # one stage a rank: into each reader
     assert into.sum() == nbytes * len(readers)
+
+
+def test_cuts_inside_blocks_are_priced_within_5_percent(t5):
+    """The search's cut by seconds (``search/cuts.py``) starts stages inside layers: what
+    crosses there (a norm's output that column-parallel linears read whole, the residual
+    as its shard) is sized as lowering sends it, and the point's estimate stays within 5%
+    of the simulator."""
+    from torchweave.search.constraints import preset
+    from torchweave.search.cuts import seconds_points
+    from torchweave.search.estimate import read_shares
+
+    cluster = parse_cluster("16xV100-32GB-SXM2@8")
+    dtype = torch.float16
+    base = PlanSpec.parse("dp").build(t5, 1)
+    blocks = with_twin(t5, base, find_blocks(t5, base, least=4, nested=False))
+    shares = read_shares(t5, PlanSpec.parse("sp:tp=2,dp=1").build(t5, 2))
+    normed = [n for n in t5.nodes if n.module == "encoder.3.ff_norm"][-1].outputs[0]
+    residual = [n for n in t5.nodes if n.module == "encoder.3"][0].outputs[0]  # after attention
+    assert shares[normed] == 1.0 and shares[residual] == 0.5
+    px = proxy(t5, blocks, cluster, 2, True, "none", dtype=dtype, precision="bf16-mixed")
+    timing = Timing(t5, blocks, cluster, dtype, 32)
+    pts = [Point(tp=2, pp=4, dp=2, micro=8, virtual=v, schedule=s, recompute="none", zero=0, sp=True)
+           for s, v in (("1f1b", 1), ("interleaved", 3))]
+    cut = seconds_points(t5, blocks, preset("free"), pts, timing.op_seconds)
+    assert len(cut) == 2 and any(m.count(".") >= 2 for p in cut for m in p.cuts)  # inside a layer
+    for pt in cut:
+        sim = simulate(t5, PlanSpec.parse(pt.spec).build(t5, 16), cluster, dtype=dtype).step_time
+        est = estimate(pt, px, cluster, len(blocks), precision="bf16-mixed",
+                       schedule_s=timing.price([(pt, px)], len(blocks))[pt])
+        assert abs(est.step_s / sim - 1) <= 0.05, (pt.spec, est.step_s, sim)

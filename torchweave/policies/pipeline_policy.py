@@ -64,7 +64,7 @@ def mesh_degrees(world_size: int, *, pp: int | None, tp: int, dp: int | None,
 def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
              pp: int | None = None, tp: int = 1, dp: int | None = None, micro: int | None = None,
              virtual: int | None = None, stages: int | None = None, zero: int = 0,
-             cuts: list[int] | None = None, recycle: int = 1,
+             cuts: list[int] | list[str] | None = None, recycle: int = 1,
              dims: dict[str, str | None] | None = None, sequence: bool = False,
              ep: int = 1, tied: TiedMode = "copy") -> Plan:
     """A pipelined plan: ``pp`` groups of ``dp * ep * tp`` devices, ``micro`` micro-batches.
@@ -72,7 +72,9 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
     Defaults: ``dp = world_size / (pp * tp)`` when ``pp`` is given, else 1;
     ``pp = world_size / (dp * tp)``, ``virtual = 2`` stages per rank
     for ``interleaved`` (else 1), ``micro = 2 * pp``. ``cuts``, when given, are
-    the graph positions where stages 1, 2, … start (instead of the FLOP-balanced cut).
+    the graph positions where stages 1, 2, … start, or the modules whose first ops start
+    them (``encoder.5``, ``encoder.11.ff``: :func:`cut_positions`), instead of the
+    FLOP-balanced cut.
     ``recycle`` > 1: that many forward passes per micro-batch, linked as the
     model's ``recycle`` attribute says (see :func:`with_recycle`). ``dims``: each
     node's split on ``tp`` inside a stage (see :func:`~torchweave.policies.tensor.tp`);
@@ -118,6 +120,8 @@ def pipeline(graph: Graph, world_size: int, *, schedule: ScheduleName = "1f1b",
         plan = ep_policy(graph, inner, ep_size=ep, tp_size=tp, zero=zero)
     else:
         plan = _group_plan(graph, inner, tp, dp, zero, dims, sequence)
+    if cuts is not None and any(isinstance(c, str) for c in cuts):
+        cuts = cut_positions(graph, [str(c) for c in cuts], n_stages)
     stage_of = cut(graph, n_stages) if cuts is None else cut_at(graph, cuts, n_stages)
     if tied not in TIED:
         raise TorchweaveError(Problem(obj=f"{schedule} plan", value=f"tied={tied}",
@@ -284,6 +288,56 @@ def _group_plan(graph: Graph, size: int, tp: int, dp: int, zero: int,
         plan.zero, plan.zero_axis = zero, ("dp" if zero else None)
         return plan
     return dp_policy(graph, size, zero=zero)
+
+
+def module_starts(graph: Graph, depth: int | None = None) -> dict[str, int]:
+    """Module path → the graph position of its first op (an op of it or of a module inside
+    it), for every module with ops (``depth``: only paths of at most that many parts)."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        parts = (node.module or "").split(".")
+        for k in range(1, min(len(parts), depth or len(parts)) + 1):
+            first.setdefault(".".join(parts[:k]), i)
+    return first
+
+
+def cut_positions(graph: Graph, modules: list[str], stages: int) -> list[int]:
+    """The graph positions where stages 1, 2, … start: each module's first op (an op of
+    the module or of one inside it), as plan strings name them (``cuts=encoder.5+decoder.2``)."""
+    if len(modules) != stages - 1:
+        raise TorchweaveError(Problem(
+            obj="pipeline cuts", value="+".join(modules),
+            rule=f"{stages} stages start at {stages - 1} modules, one for each stage after the "
+                 f"first: got {len(modules)}",
+            fix="name one module per stage after the first, in graph order"))
+    first = module_starts(graph)
+    out = []
+    for name in modules:
+        if name not in first or first[name] == 0:
+            known = sorted({".".join((n.module or "").split(".")[:2]) for n in graph.nodes} - {""})
+            raise TorchweaveError(Problem(
+                obj="pipeline cuts", value=name,
+                rule="a stage starts at a module of the model that has ops, and not at the first op"
+                     if name in first else "a stage starts at a module of the model that has ops",
+                fix=f"one of the model's modules, e.g. {', '.join(known[:6])}"))
+        if out and first[name] <= out[-1]:
+            raise TorchweaveError(Problem(
+                obj="pipeline cuts", value="+".join(modules),
+                rule=f"stages start in graph order: {name} starts at op {first[name]}, not after "
+                     f"the stage before it (op {out[-1]})",
+                fix="list the modules in the order the model runs them"))
+        out.append(first[name])
+    return out
+
+
+def cut_modules(graph: Graph, positions: list[int]) -> list[str]:
+    """The shortest module paths whose first op is each position (the inverse of
+    :func:`cut_positions`), or an empty list where one has none."""
+    first = module_starts(graph)
+    at: dict[int, str] = {}
+    for name, i in sorted(first.items(), key=lambda kv: (len(kv[0].split(".")), kv[0])):
+        at.setdefault(i, name)
+    return [at[p] for p in positions] if all(p in at for p in positions) else []
 
 
 def cut_at(graph: Graph, cuts: list[int], stages: int) -> dict[str, int]:

@@ -44,6 +44,11 @@ Options (each policy takes those listed in :data:`OPTIONS`):
               Megatron-LM holds a tied embedding) or ``send`` (a lookup of it, such as an
               encoder-decoder's decoder embedding, runs on the stage that holds it and sends
               its output: :func:`~torchweave.policies.pipeline_policy.send_lookups`)
+``cuts``      pipelines: the modules whose first ops start stages 1, 2, … (``+``
+              between them: ``encoder.6+encoder.13.ff+decoder.4``), in place of the
+              policy's FLOP-balanced cut between whole blocks; a stage may start inside a
+              block (``encoder.13.ff``: between attention and the MLP). The search writes
+              its cuts balanced by each op's seconds on the cluster this way
 ``preset``    ``auto`` only: the constraint set the search starts from
               (:mod:`torchweave.search`)
 ``exhaustive`` ``auto`` only: ``1`` builds and simulates every point of the space,
@@ -71,7 +76,7 @@ from torchweave.policies.tensor import sp as sp_policy
 from torchweave.policies.tensor import tp as tp_policy
 
 _PIPE = ("pp", "tp", "dp", "micro", "stages", "zero", "recycle", "recompute", "split", "coshard", "ep",
-         "tied")
+         "tied", "cuts")
 _PIPELINES = (*SCHEDULES, "interlaced")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "dp": ("dp", "zero", "recompute", "accum", "coshard"),
@@ -94,6 +99,7 @@ SPLITS = ("rule", "solved")
 SPLIT_OPTIONS = (*SPLITS, "sequence")
 """The plan strings' ``split``: also ``sequence``, Megatron's rules with sequence parallelism."""
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 
 def _check_value(key: str, value: str) -> tuple[Any, str | None]:
@@ -107,6 +113,11 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
     if key == "split":
         return (value, None) if value in SPLIT_OPTIONS else (
             None, f"split is one of {', '.join(SPLIT_OPTIONS)}")
+    if key == "cuts":
+        names = value.split("+")
+        return (tuple(names), None) if all(_PATH.fullmatch(n) for n in names) else (
+            None, "cuts is the modules where stages 1, 2, ... start, joined by '+' "
+                  "(encoder.5+encoder.11.ff+decoder.3)")
     if key == "tied":
         return (value, None) if value in TIED else (
             None, "tied is copy (a parameter read on several stages: a copy on each, their "
@@ -263,6 +274,8 @@ class PlanSpec:
         elif name == "interlaced":
             plan = interlaced(graph, world_size, micro=o.get("micro"))
         else:
+            if "cuts" in o:
+                o["cuts"] = list(o["cuts"])
             plan = pipeline_policy(graph, world_size, schedule=name, dims=dims,
                                    sequence=split == "sequence", **o)
         plan.accum = accum

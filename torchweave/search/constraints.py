@@ -19,6 +19,8 @@ YAML file in ``torchweave/search/presets/`` (:func:`preset`):
     coshard: [0, 4]           # the output head in K chunks (0: not co-sharded)
     tied: [copy, send]        # pipelines: a parameter read on several stages copied, or its
                               # lookups run where it is held (plan strings' tied=)
+    balance: [flops, seconds] # pipeline cuts: whole blocks by FLOPs (the policy's), or at
+                              # block and sub-block modules by each op's seconds (cuts=)
     zero: [0, 1]
     sp: true                  # tensor parallelism may shard the sequence between ops
     split: [rule, solved]     # ops split on tp by Megatron's rules, by the solver, or both
@@ -54,12 +56,14 @@ SCHEDULE_NAMES = ("none", *BUILTIN, "interlaced")
 embeddings and head tensor-parallel over every device, the blocks pipelined one stage
 per device; :func:`torchweave.policies.pipeline_policy.interlaced`)."""
 RECOMPUTE = ("none", "selective", "full")
+BALANCE = ("flops", "seconds")
+"""How pipeline stages are cut (:attr:`Constraints.balance`)."""
 PRESET_DIR = Path(__file__).with_name("presets")
 COSHARD = ("0", "2", "4", "8", "16")
 """Co-shard of the output head: 0 (none) or the chunks each device runs it in
 (:mod:`torchweave.policies.coshard`)."""
 TOP_KEYS = ("preset", "tp", "pp", "dp", "ep", "micro", "virtual", "schedules", "recompute", "coshard", "zero",
-            "tied", "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
+            "tied", "balance", "sp", "split", "memory_gib", "ops", "cuts", "pin", "ties", "description")
 OP_KEYS = ("type", "module", "name", "split", "parts", "replicate")
 RANGE_KEYS = ("min", "max", "powers_of_two")
 
@@ -135,6 +139,12 @@ class Constraints:
     coshard: tuple[int, ...] = (0,)
     """The output head (LM head and loss) in K chunks per device (0: whole)."""
     zero: tuple[int, ...] = (0, 1, 2, 3)
+    balance: tuple[str, ...] = ("flops",)
+    """How pipeline stages are cut: ``flops`` (the pipeline policy's cut between whole blocks,
+    by FLOPs) and/or ``seconds`` (the search's cut at block and sub-block module boundaries
+    that ``cuts`` allows, by each op's roofline seconds on the cluster, written into the plan
+    string as ``cuts=``; offered for encoder-decoders, whose pipelines the simulator runs
+    exactly anyway: :mod:`torchweave.search.cuts`)."""
     tied: tuple[str, ...] = ("copy",)
     """How pipelines hold a parameter that several stages read (``tied=`` in plan strings):
     ``copy`` (a copy a stage, summed once a step) and/or ``send`` (its lookups run on its
@@ -261,6 +271,8 @@ class _Reader:
                                                              ("0", "1", "2", "3")))
         if "tied" in items:
             out["tied"] = tuple(self.choices(items["tied"], "tied", TIED))
+        if "balance" in items:
+            out["balance"] = tuple(self.choices(items["balance"], "balance", BALANCE))
         if "sp" in items:
             out["sp"] = self.boolean(items["sp"], "sp")
         if "split" in items:

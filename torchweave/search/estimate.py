@@ -204,18 +204,29 @@ def _tied(graph: Graph, blocks: Blocks, plan: Plan) -> tuple[int, bool]:
             all(len(boxes[v]) == 1 for v in tied))
 
 
+def _unit(module: str) -> str:
+    """Where a pipeline cut may fall around an op of ``module``: its block and the block's
+    child (``encoder.3.ff``; a cut by seconds starts a stage there, ``search/cuts.py``), or
+    its top-level module outside the blocks (``lm_head``)."""
+    key = block_of(module)
+    if not key:
+        return module.split(".")[0]
+    rest = module[len(key):].lstrip(".")
+    return key + ("." + rest.split(".")[0] if rest else "")
+
+
 def read_shares(graph: Graph, plan: Plan) -> dict[str, float]:
-    """Per value that a pipeline cut may carry (made in one numbered block, or outside
-    them, and read in another), the largest share of it one piece of a reader reads under
+    """Per value that a pipeline cut may carry (made in one block, a block's child module
+    or a module outside the blocks, and read in another), the largest share of it one piece of a reader reads under
     ``plan``. That is what a rank of a later stage receives: lowering moves a value in the
     layout its readers need, so a value held in shards but read whole (by a
     column-parallel linear, T5's encoder output in cross-attention) crosses whole."""
     made = {o: n for n in graph.nodes for o in n.outputs if o}
     out: dict[str, float] = {}
     for node in graph.nodes:
-        key = block_of(node.module or "")
+        key = _unit(node.module or "")
         refs = [(i, r) for i, r in enumerate(node.input_refs())
-                if r.name in made and block_of(made[r.name].module or "") != key]
+                if r.name in made and _unit(made[r.name].module or "") != key]
         if not refs:
             continue
         bound = info(graph, node).bound

@@ -45,6 +45,7 @@ from torchweave.policies.pipeline_policy import shared_lookups
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.admit import admissible
 from torchweave.search.constraints import Constraints, preset
+from torchweave.search.cuts import seconds_points
 from torchweave.policies.expert import expert_count
 from torchweave.search.estimate import Estimate, estimable, estimate
 from torchweave.search.intra import Partition, describe, solve, tp_dims
@@ -169,6 +170,9 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
     pts, excluded = points(world, batch, len(blocks) if blocks else 0, c, numbered=numbered,
                            experts=expert_count(graph) if any(c.ep.allows(e) for e in range(2, world + 1))
                            else 0, lookups=bool(shared_lookups(graph)))
+    timing = Timing(graph, blocks, cluster, dtype, batch) if blocks is not None else None
+    if timing is not None:  # stages cut inside blocks by seconds (encoder-decoders, free)
+        pts += seconds_points(graph, blocks, c, pts, timing.op_seconds)
     say(f"{len(pts)} points in the space ({c.name}) for {world} ranks, batch {batch}, "
         f"{len(blocks) if blocks else 'no'} repeated blocks")
     ests: dict[Point, Estimate] = {}
@@ -197,8 +201,7 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
             if pipelined:
                 say(f"run {len({(p.schedule, p.pp, p.virtual, p.micro) for p, _ in pipelined})} "
                     f"pipeline schedules on their stages' costs")
-            timed = Timing(graph, blocks, cluster, dtype, batch).price(pipelined, len(blocks)) \
-                if pipelined else {}
+            timed = timing.price(pipelined, len(blocks)) if pipelined else {}
             for pt in pts:
                 if not estimable(pt):
                     continue

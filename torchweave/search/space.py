@@ -38,6 +38,9 @@ class Point:
     tied: str = "copy"
     """Pipelines: ``send`` runs lookups of a parameter several stages read where it is held
     (``tied=send``); ``copy`` keeps a copy on each stage."""
+    cuts: tuple[str, ...] = ()
+    """Pipelines: the modules where stages 1, 2, … start (``cuts=``; empty: the policy's
+    FLOP-balanced cut)."""
 
     @property
     def spec(self) -> str:
@@ -69,6 +72,8 @@ class Point:
             opts.append(f"ep={self.ep}")
         if self.tied != "copy":
             opts.append(f"tied={self.tied}")
+        if self.cuts:
+            opts.append("cuts=" + "+".join(self.cuts))
         return f"{self.schedule}:" + ",".join(opts + ([rec] if rec else []))
 
 

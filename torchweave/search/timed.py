@@ -144,20 +144,21 @@ class Timing:
             t = op_time(info(graph, n), cluster.device, dtype=dtype or torch.float32)
             self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
         self._batched = graph.batched_values()  # values a micro-batch splits (as the simulator has them)
-        self._shares: dict[tuple[int, str], Shares] = {}
+        self._shares: dict[tuple[int, str, tuple[int, ...]], Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
         self._links: dict[int, tuple[float, float]] = {}
         self._sums_s: dict[tuple, np.ndarray] = {}  # each stage's gradient sum, by split and cut
         self._reduce_s: dict[tuple, float] = {}
 
-    def shares(self, stages: int, tied: str = "copy") -> Shares:
-        """The cut into ``stages`` as the pipeline policy makes it (with ``tied=send``, its
-        lookups of an earlier stage's parameters moved there: ``send_lookups``)."""
-        if (stages, tied) not in self._shares:
-            from torchweave.policies.pipeline_policy import cut, send_lookups
+    def shares(self, stages: int, tied: str = "copy", cuts: tuple[int, ...] = ()) -> Shares:
+        """The cut into ``stages`` as the pipeline policy makes it: at ``cuts`` (graph
+        positions where stages 1, 2, … start; empty: its FLOP-balanced cut), with ``tied=send``
+        its lookups of an earlier stage's parameters moved there (``send_lookups``)."""
+        if (stages, tied, cuts) not in self._shares:
+            from torchweave.policies.pipeline_policy import cut, cut_at, send_lookups
 
             g = self.graph
-            stage_of = cut(g, stages)
+            stage_of = cut_at(g, list(cuts), stages) if cuts else cut(g, stages)
             if tied == "send":
                 stage_of = send_lookups(g, stage_of)
             where = [stage_of[n.name] for n in g.nodes]
@@ -203,7 +204,7 @@ class Timing:
                 v = g.values[name]
                 held[0 if self._blocks.holds(v.target or name) else 1, s] += v.meta.numel
                 params[s].append(v.meta.numel)
-            self._shares[(stages, tied)] = Shares(parts[0] / (blk or 1), parts[1] / (blk or 1),
+            self._shares[(stages, tied, cuts)] = Shares(parts[0] / (blk or 1), parts[1] / (blk or 1),
                                           parts[2] / (rest or 1), parts[3] / (rest or 1),
                                           tuple(crossing),
                                           held[0] / (held[0].sum() or 1),
@@ -211,7 +212,20 @@ class Timing:
                                           tuple(tuple(p) for p in params),
                                           tuple((v, made[v], tuple(sorted(st)), self._nbytes(v))
                                                 for v, st in fixed.items()))
-        return self._shares[(stages, tied)]
+        return self._shares[(stages, tied, cuts)]
+
+    @property
+    def op_seconds(self) -> np.ndarray:
+        """Each op's roofline seconds, forward and backward, whole (graph order)."""
+        return np.array([f + b for f, b, _ in self._ops])
+
+    def _positions(self, modules: tuple[str, ...], stages: int) -> tuple[int, ...]:
+        """A point's ``cuts`` (module names) as graph positions (empty: the policy's cut)."""
+        if not modules:
+            return ()
+        from torchweave.policies.pipeline_policy import cut_positions
+
+        return tuple(cut_positions(self.graph, list(modules), stages))
 
     def _nbytes(self, value: str) -> int:
         """A value's bytes as sent and summed: a float32 one in the compute dtype."""
@@ -231,16 +245,16 @@ class Timing:
     def price(self, items: list, n_blocks: int) -> dict[object, Priced]:
         """The pipeline schedule of each ``(point, proxy)`` in ``items`` (pipelined points
         only), with its gradient sums where they overlap the schedule (see :class:`Priced`)."""
-        groups: dict[tuple[str, int, int, int, str], list] = defaultdict(list)
+        groups: dict[tuple[str, int, int, int, str, tuple[str, ...]], list] = defaultdict(list)
         for pt, px in items:
-            groups[(pt.schedule, pt.pp, pt.virtual, pt.micro, pt.tied)].append((pt, px))
+            groups[(pt.schedule, pt.pp, pt.virtual, pt.micro, pt.tied, pt.cuts)].append((pt, px))
         out = {}
-        for (*shape, tied), members in groups.items():
+        for (*shape, tied, modules), members in groups.items():
             key = tuple(shape)
             schedule, pp, virtual, micro = key
             if key not in self._compiled:
                 self._compiled[key] = compile_schedule(builtin(schedule, pp, virtual, micro))
-            sh = self.shares(pp * virtual, tied)
+            sh = self.shares(pp * virtual, tied, self._positions(modules, pp * virtual))
             cols = {}
             for pt, px in members:  # points differing by ZeRO stage alone share a column
                 cols.setdefault((id(px), pt.dp, pt.tp * pt.ep), (pt, px))
