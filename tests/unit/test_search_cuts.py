@@ -13,7 +13,7 @@ import torch
 import torchweave
 from torchweave.errors import TorchweaveError
 from torchweave.models.t5 import T5, T5Config
-from torchweave.policies.pipeline_policy import cut_modules, cut_positions
+from torchweave.policies.stage_cuts import cut_modules, cut_positions
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.constraints import load_constraints, preset
 from torchweave.search.cuts import balanced, places, seconds_points
@@ -73,8 +73,8 @@ def test_the_balanced_cut_is_the_least_largest_stage() -> None:
     for trial in range(40):
         n = int(rng.integers(4, 11))
         seconds = rng.uniform(0.1, 3.0, n)
-        where = sorted(rng.choice(np.arange(1, n), size=int(rng.integers(2, n)), replace=False).tolist())
-        stages = int(rng.integers(2, min(len(where), 4) + 2))
+        where = sorted(rng.choice(np.arange(1, n), size=int(rng.integers(1, n)), replace=False).tolist())
+        stages = int(rng.integers(2, 6))  # sometimes more stages than places allow
         got = balanced(seconds, stages, where)
         if len(where) < stages - 1:
             assert got is None
@@ -102,7 +102,6 @@ def test_places_are_block_and_sub_block_starts_the_constraints_allow(t5) -> None
 
 
 def test_seconds_points_only_for_two_stacks_and_free(t5) -> None:
-    from tests.conftest import captured
     from torchweave.search.timed import Timing
     from torchweave.sim import parse_cluster
 
@@ -114,8 +113,15 @@ def test_seconds_points_only_for_two_stacks_and_free(t5) -> None:
     for p in extra[:3]:  # every one builds: its modules start its stages
         PlanSpec.parse(p.spec).build(t5, 8)
     assert seconds_points(t5, blocks, preset("megatron"), pts, timing.op_seconds) == []
-    gpt = captured("gpt-tiny")
-    assert seconds_points(gpt, _blocks(gpt), preset("free"), pts, timing.op_seconds) == []
+    from torchweave.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):  # one stack of blocks: its pipelines keep whole blocks
+        idx = torch.zeros(8, 16, dtype=torch.long)
+        gpt = torchweave.capture(GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=6, n_head=2,
+                                               d_model=32)), (idx, idx))
+    gpt_timing = Timing(gpt, _blocks(gpt), parse_cluster("8xA100-80GB-SXM@8"), torch.bfloat16, 8)
+    assert _blocks(gpt).twin is None
+    assert seconds_points(gpt, _blocks(gpt), preset("free"), pts, gpt_timing.op_seconds) == []
     assert Point(2, 2, 2, 4, "1f1b", 1, "none", 0, False, cuts=("a.1", "b")).spec.endswith(
         "cuts=a.1+b")
 
@@ -136,3 +142,37 @@ def test_a_dominant_op_leaves_the_other_stages_even() -> None:
     assert got[-1] == 20  # the head alone
     sizes = np.diff([0, *got])
     assert sizes.min() >= 4 and sizes.max() <= 6, got
+
+
+def test_seconds_alone_replaces_the_whole_block_points(t5) -> None:
+    """``balance: [seconds]``: each point with a seconds cut stands in place of its
+    whole-block twin; a point without one keeps the policy's cut."""
+    from torchweave.search import search
+    from torchweave.sim import parse_cluster
+
+    c = load_constraints("preset: free\nbalance: [seconds]\ntp: [1]\ndp: [1, 2]\n"
+                         "schedules: [1f1b]\nrecompute: [none]\nzero: [0]\ntied: [copy]\n"
+                         "coshard: [0]\nmicro: {max: 4}\n")
+    res = search(t5, parse_cluster("4xA100-80GB-SXM@4"), c, top=50, dtype=torch.bfloat16)
+    pipelined = [r.spec for r in res.ranked if r.point.pp > 1]
+    four = [s for s in pipelined if "pp=4" in s]
+    assert four and all("cuts=" in s for s in four), pipelined  # in place of the block cut
+    assert [s for s in pipelined if "pp=2" in s and "cuts=" not in s]  # the same cut: kept
+
+
+def test_a_lookup_that_is_its_stages_only_op_stays() -> None:
+    """Moving it would leave its stage with nothing to run."""
+    from torchweave.policies.stage_cuts import send_lookups, shared_lookups
+
+    cfg = T5Config(vocab_size=512, block_size=16, d_model=32, d_kv=8, n_head=4, d_ff=64,
+                   n_enc_layer=2, n_dec_layer=2)
+    with torch.device("meta"):
+        g = torchweave.capture(T5(cfg), (torch.zeros(2, 16, dtype=torch.long),
+                                          torch.zeros(2, 8, dtype=torch.long),
+                                          torch.zeros(2, 8, dtype=torch.long)))
+    (lookup,) = shared_lookups(g)
+    at = [n.name for n in g.nodes].index(lookup)
+    alone = {n.name: (0 if i < at else 1 if i == at else 2) for i, n in enumerate(g.nodes)}
+    assert send_lookups(g, alone)[lookup] == 1
+    shared = {n.name: (0 if i < at else 1) for i, n in enumerate(g.nodes)}
+    assert send_lookups(g, shared)[lookup] == 0

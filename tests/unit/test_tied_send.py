@@ -11,7 +11,7 @@ import torchweave
 from torchweave.errors import TorchweaveError
 from torchweave.lower.lower import lower
 from torchweave.models.t5 import T5, T5Config
-from torchweave.policies.pipeline_policy import send_lookups, shared_lookups
+from torchweave.policies.stage_cuts import send_lookups, shared_lookups
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.constraints import load_constraints, preset
 from torchweave.search.space import points
@@ -129,3 +129,34 @@ def test_the_dist_cases_move_the_lookup(spec: str) -> None:
     copy = PlanSpec.parse(spec).build(g, 4)
     send = PlanSpec.parse(spec + ",tied=send").build(g, 4)
     assert copy.pipeline.stage_of != send.pipeline.stage_of
+
+
+def test_with_zero_the_estimate_holds_no_copy_of_a_sent_table() -> None:
+    """Under ZeRO the schedule does not time the sums (they wait for the last action), so
+    the estimate's arithmetic prices the tied copies: with ``tied=send`` there are none of
+    the decoder's lookup (no sum of copies, no whole copy ZeRO cannot shard)."""
+    from torchweave.search.estimate import estimate, proxy
+    from torchweave.search.space import Point
+    from torchweave.search.timed import Timing
+    from torchweave.sim import parse_cluster
+    from torchweave.sim.fast.fold import find_blocks, with_twin
+
+    cfg = T5Config(vocab_size=65536, block_size=256, d_model=256, d_kv=32, n_head=8, d_ff=512,
+                   n_enc_layer=8, n_dec_layer=8)
+    with torch.device("meta"):
+        src, tgt = torch.zeros(16, 256, dtype=torch.long), torch.zeros(16, 64, dtype=torch.long)
+        g = torchweave.capture(T5(cfg), (src, tgt, tgt))
+    base = PlanSpec.parse("dp").build(g, 1)
+    blocks = with_twin(g, base, find_blocks(g, base, least=4, nested=False))
+    cluster = parse_cluster("8xA100-80GB-SXM@8")
+    px = proxy(g, blocks, cluster, 1, False, "none", dtype=torch.bfloat16, precision="bf16-mixed")
+    assert px.tied and px.tied_sent == px.tied  # the shared vocabulary, read by a lookup alone
+    timing = Timing(g, blocks, cluster, torch.bfloat16, 16)
+    got = {}
+    for tied in ("copy", "send"):
+        pt = Point(tp=1, pp=4, dp=2, micro=4, virtual=1, schedule="1f1b", recompute="none",
+                   zero=1, sp=False, tied=tied)
+        got[tied] = estimate(pt, px, cluster, len(blocks), precision="bf16-mixed",
+                             schedule_s=timing.price([(pt, px)], len(blocks))[pt])
+    assert got["send"].sync_s < got["copy"].sync_s
+    assert got["send"].memory < got["copy"].memory

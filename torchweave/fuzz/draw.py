@@ -43,7 +43,7 @@ MODELS: tuple[str, ...] = ("gpt-tiny", "llama-tiny", "moe-tiny", "vit-tiny", "sw
 """Model families drawn from (bundled factories; the ``hf-`` ones are transformers models)."""
 LOOKUPS = ("t5-tiny",)
 """Models with a lookup of a table an earlier op reads too (the decoder embedding), where a
-pipeline's ``tied=send`` moves something (``pipeline_policy.shared_lookups``)."""
+pipeline's ``tied=send`` moves something (``stage_cuts.shared_lookups``)."""
 BATCH = 8
 """Every drawn model runs on a global batch of this many rows."""
 SCHEDULE_NAMES = BUILTIN

@@ -43,7 +43,7 @@ Options (each policy takes those listed in :data:`OPTIONS`):
               (the default; each stage a copy, their gradients summed once a step, as
               Megatron-LM holds a tied embedding) or ``send`` (a lookup of it, such as an
               encoder-decoder's decoder embedding, runs on the stage that holds it and sends
-              its output: :func:`~torchweave.policies.pipeline_policy.send_lookups`)
+              its output: :func:`~torchweave.policies.stage_cuts.send_lookups`)
 ``cuts``      pipelines: the modules whose first ops start stages 1, 2, … (``+``
               between them: ``encoder.6+encoder.13.ff+decoder.4``), in place of the
               policy's FLOP-balanced cut between whole blocks; a stage may start inside a
@@ -99,7 +99,8 @@ SPLITS = ("rule", "solved")
 SPLIT_OPTIONS = (*SPLITS, "sequence")
 """The plan strings' ``split``: also ``sequence``, Megatron's rules with sequence parallelism."""
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+"""A module path as plan strings' ``cuts`` write it (``encoder.11.ff``)."""
 
 
 def _check_value(key: str, value: str) -> tuple[Any, str | None]:
@@ -115,7 +116,7 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
             None, f"split is one of {', '.join(SPLIT_OPTIONS)}")
     if key == "cuts":
         names = value.split("+")
-        return (tuple(names), None) if all(_PATH.fullmatch(n) for n in names) else (
+        return (tuple(names), None) if all(MODULE_PATH.fullmatch(n) for n in names) else (
             None, "cuts is the modules where stages 1, 2, ... start, joined by '+' "
                   "(encoder.5+encoder.11.ff+decoder.3)")
     if key == "tied":

@@ -144,11 +144,13 @@ class Constraints:
     by FLOPs) and/or ``seconds`` (the search's cut at block and sub-block module boundaries
     that ``cuts`` allows, by each op's roofline seconds on the cluster, written into the plan
     string as ``cuts=``; offered for encoder-decoders, whose pipelines the simulator runs
-    exactly anyway: :mod:`torchweave.search.cuts`)."""
+    exactly anyway: :mod:`torchweave.search.cuts`). ``[seconds]`` alone puts each seconds
+    cut in place of the whole-block one; where none is offered (the same cut, or not an
+    encoder-decoder) the point keeps the policy's cut."""
     tied: tuple[str, ...] = ("copy",)
     """How pipelines hold a parameter that several stages read (``tied=`` in plan strings):
     ``copy`` (a copy a stage, summed once a step) and/or ``send`` (its lookups run on its
-    stage: :func:`~torchweave.policies.pipeline_policy.send_lookups`)."""
+    stage: :func:`~torchweave.policies.stage_cuts.send_lookups`)."""
     sp: bool = True
     split: tuple[str, ...] = SPLITS
     memory_gib: float | None = None

@@ -1,7 +1,7 @@
 """Pipeline cuts the search chooses: stages balanced by seconds, inside blocks where that helps.
 
 The pipeline policy cuts between whole blocks by FLOPs (:func:`~torchweave.policies.
-pipeline_policy.cut`). Where blocks differ (an encoder layer over 1,024 tokens against a
+stage_cuts.cut`). Where blocks differ (an encoder layer over 1,024 tokens against a
 decoder layer over 256) or the rest is heavy (a 250k-word head, an embedding whose
 backward writes the whole table), whole blocks cannot make the stages even and FLOPs
 misjudge what the memory-bound ops cost. With ``seconds`` in the constraints' ``balance``
@@ -25,7 +25,8 @@ from dataclasses import replace
 import numpy as np
 
 from torchweave.ir.graph import Graph
-from torchweave.policies.pipeline_policy import cut, cut_modules, module_starts
+from torchweave.policies.stage_cuts import cut, cut_modules, module_starts
+from torchweave.policies.spec import MODULE_PATH
 from torchweave.search.constraints import Constraints
 from torchweave.search.space import Point
 from torchweave.sim.fast.fold import Blocks
@@ -66,7 +67,9 @@ def seconds_points(graph: Graph, blocks: Blocks | None, c: Constraints, pts: lis
             policy = cut(graph, stages)
             names = [n.name for n in graph.nodes]
             theirs = [i for i in range(1, len(names)) if policy[names[i]] != policy[names[i - 1]]]
-            by_stages[stages] = tuple(cut_modules(graph, mine)) if mine and mine != theirs else ()
+            names = cut_modules(graph, mine) if mine and mine != theirs else []
+            # only cuts a plan string can write (a module named like `0.ff` cannot be)
+            by_stages[stages] = tuple(names) if all(MODULE_PATH.fullmatch(m) for m in names) else ()
         if by_stages[stages]:
             out.append(replace(pt, cuts=by_stages[stages]))
     return out

@@ -53,6 +53,7 @@ from torchweave.lower.pieces import node_pieces, tensor_box
 from torchweave.ops import info
 from torchweave.plan.plan import Plan
 from torchweave.policies.expert import expert_axis
+from torchweave.policies.stage_cuts import shared_lookups
 from torchweave.policies.recompute import block_of
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.space import Point
@@ -106,6 +107,10 @@ class Proxy:
     """Whether those readers read the same piece on each rank under this split, as lowering
     needs to copy the weight; where not (a solved split that shards the embedding and
     the head differently), lowering sends it whole with every micro-batch instead."""
+    tied_sent: int = 0
+    """Of ``tied``, the elements ``tied=send`` leaves no copy of: parameters whose readers
+    after the blocks are all lookups (an encoder-decoder's decoder embedding), which that
+    plan runs on the first stage (``stage_cuts.send_lookups``)."""
     per_block: tuple = ()
     """What one more block adds to the simulated cut-down model: (step seconds, the busiest
     rank's communication seconds, the peak rank's parameter bytes and activation bytes);
@@ -182,12 +187,15 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
                  per_block=tuple(b - a for a, b in zip(x3, x4)))
 
 
-def _tied(graph: Graph, blocks: Blocks, plan: Plan) -> tuple[int, bool]:
-    """Elements of the parameters read both before the first block and after the last, and
-    whether every such reader reads the same piece of them on each rank under ``plan``."""
+def _tied(graph: Graph, blocks: Blocks, plan: Plan) -> tuple[int, bool, int]:
+    """Elements of the parameters read both before the first block and after the last,
+    whether every such reader reads the same piece of them on each rank under ``plan``, and
+    the elements of those whose readers after the blocks are all lookups (``tied_sent``)."""
     first, end = blocks.spans[0][0], blocks.spans[-1][1]
     sides: dict[str, set[bool]] = {}
     boxes: dict[str, set] = {}
+    moved = set(shared_lookups(graph))
+    late: dict[str, bool] = {}  # parameter -> every reader after the blocks is a lookup
     for i, node in enumerate(graph.nodes):
         if first <= i < end:
             continue
@@ -195,13 +203,16 @@ def _tied(graph: Graph, blocks: Blocks, plan: Plan) -> tuple[int, bool]:
         for r, spec in zip(node.input_refs(), bound.annotation.inputs):
             if graph.values[r.name].kind != "param" or spec.meta_only:
                 continue
+            if i >= end:
+                late[r.name] = late.get(r.name, True) and node.name in moved
             sides.setdefault(r.name, set()).add(i >= end)
             shape = graph.values[r.name].meta.shape
             boxes.setdefault(r.name, set()).add(tuple(sorted(
                 (p.device, tensor_box(bound, spec, shape, p)) for p in node_pieces(plan, node.name))))
     tied = [v for v, s in sides.items() if len(s) == 2]
     return (sum(graph.values[v].meta.numel for v in tied),
-            all(len(boxes[v]) == 1 for v in tied))
+            all(len(boxes[v]) == 1 for v in tied),
+            sum(graph.values[v].meta.numel for v in tied if late.get(v)))
 
 
 def _unit(module: str) -> str:
@@ -331,18 +342,19 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         hop = px.boundary_bytes * f / (max(pt.tp, 1) * pt.ep)
         link = cluster.inter if pt.tp * pt.dp * pt.ep >= cluster.devices_per_node else cluster.intra
         p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
-    if pt.pp > 1 and px.tied and px.tied_copied and (schedule_s is None or schedule_s.sums_s is None):
+    tied = px.tied - (px.tied_sent if pt.tied == "send" else 0)  # send: its lookups' tables uncopied
+    if pt.pp > 1 and tied and px.tied_copied and (schedule_s is None or schedule_s.sums_s is None):
         # the tied copies' sum between the first and the last stage (timed.py prices it
         # among the stages' sums where those overlap the schedule)
         size = pt.tp * pt.dp * pt.ep
         ends = tuple(q * size + j for q in (0, pt.pp - 1) for j in range(0, size, pt.tp))
-        sync += _seconds(cluster, Collective.ALL_REDUCE, item * px.tied / (pt.tp * pt.ep), ends)
+        sync += _seconds(cluster, Collective.ALL_REDUCE, item * tied / (pt.tp * pt.ep), ends)
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
     shard = 4 * elems / (pt.dp if pt.zero >= 1 else 1)  # AdamW's fp32 words
     opt = 7 * shard / bw
     # a tied weight's copy on each pipeline rank that reads it is summed across stage
     # groups, so ZeRO keeps it whole (sim/step/run.memory_use, runtime/zero.py)
-    kept = min(elems, px.tied // (pt.tp * pt.ep)) if pt.pp > 1 and px.tied_copied and pt.zero else 0
+    kept = min(elems, tied // (pt.tp * pt.ep)) if pt.pp > 1 and px.tied_copied and pt.zero else 0
     state = model_state_memory(elems - kept, dp=pt.dp, stage=pt.zero, precision=precision)
     whole = model_state_memory(kept, precision=precision).total
     temps = min(BUCKET_BYTES, param_bytes) if pt.zero == 0 else 0

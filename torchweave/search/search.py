@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -41,7 +41,7 @@ from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.plan.plan import Plan
 from torchweave.policies.recompute import block_of
-from torchweave.policies.pipeline_policy import shared_lookups
+from torchweave.policies.stage_cuts import shared_lookups
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.admit import admissible
 from torchweave.search.constraints import Constraints, preset
@@ -172,7 +172,11 @@ def search(graph: Graph, cluster: Cluster, constraints: Constraints | str | None
                            else 0, lookups=bool(shared_lookups(graph)))
     timing = Timing(graph, blocks, cluster, dtype, batch) if blocks is not None else None
     if timing is not None:  # stages cut inside blocks by seconds (encoder-decoders, free)
-        pts += seconds_points(graph, blocks, c, pts, timing.op_seconds)
+        extra = seconds_points(graph, blocks, c, pts, timing.op_seconds)
+        if "flops" not in c.balance:  # each such point in place of its whole-block twin
+            instead = {replace(p, cuts=()) for p in extra}
+            pts = [p for p in pts if p not in instead]
+        pts += extra
     say(f"{len(pts)} points in the space ({c.name}) for {world} ranks, batch {batch}, "
         f"{len(blocks) if blocks else 'no'} repeated blocks")
     ests: dict[Point, Estimate] = {}

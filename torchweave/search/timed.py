@@ -11,7 +11,7 @@ every rank waits for the slowest stage of the chain, not for its own share.
 250k-vocabulary T5 and 8% on GPT-3 1.3B, up to 40%.
 
 Here a point's stages are costed from the cut its plan will have
-(:func:`torchweave.policies.pipeline_policy.cut`, FLOP-balanced over ``pp ×
+(:func:`torchweave.policies.stage_cuts.cut`, FLOP-balanced over ``pp ×
 virtual`` stages): the proxy's seconds of the blocks and of the rest are shared
 among the stages by each op's roofline seconds (forward and backward apart), and
 each boundary carries the bytes that cross it. The point's schedule then runs on
@@ -155,7 +155,7 @@ class Timing:
         positions where stages 1, 2, … start; empty: its FLOP-balanced cut), with ``tied=send``
         its lookups of an earlier stage's parameters moved there (``send_lookups``)."""
         if (stages, tied, cuts) not in self._shares:
-            from torchweave.policies.pipeline_policy import cut, cut_at, send_lookups
+            from torchweave.policies.stage_cuts import cut, cut_at, send_lookups
 
             g = self.graph
             stage_of = cut_at(g, list(cuts), stages) if cuts else cut(g, stages)
@@ -223,7 +223,7 @@ class Timing:
         """A point's ``cuts`` (module names) as graph positions (empty: the policy's cut)."""
         if not modules:
             return ()
-        from torchweave.policies.pipeline_policy import cut_positions
+        from torchweave.policies.stage_cuts import cut_positions
 
         return tuple(cut_positions(self.graph, list(modules), stages))
 
