@@ -32,7 +32,7 @@ def main() -> int:
     import torchweave
     from search_quality import gpt, t5_250k  # bench/search_quality.py
     from torchweave.policies.spec import PlanSpec
-    from torchweave.search.constraints import preset
+    from torchweave.search.constraints_file import preset
     from torchweave.search.cuts import seconds_points
     from torchweave.search.estimate import estimate, proxy
     from torchweave.search.space import Point

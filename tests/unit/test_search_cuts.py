@@ -15,7 +15,7 @@ from torchweave.errors import TorchweaveError
 from torchweave.models.t5 import T5, T5Config
 from torchweave.policies.stage_cuts import cut_modules, cut_positions
 from torchweave.policies.spec import PlanSpec
-from torchweave.search.constraints import load_constraints, preset
+from torchweave.search.constraints_file import load_constraints, preset
 from torchweave.search.cuts import balanced, places, seconds_points
 from torchweave.search.space import Point, points
 from torchweave.sim.fast.fold import find_blocks, with_twin

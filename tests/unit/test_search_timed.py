@@ -139,7 +139,7 @@ def test_cuts_inside_blocks_are_priced_within_5_percent(t5):
     crosses there (a norm's output that column-parallel linears read whole, the residual
     as its shard) is sized as lowering sends it, and the point's estimate stays within 5%
     of the simulator."""
-    from torchweave.search.constraints import preset
+    from torchweave.search.constraints_file import preset
     from torchweave.search.cuts import seconds_points
     from torchweave.search.estimate import read_shares
 

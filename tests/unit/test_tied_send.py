@@ -13,7 +13,7 @@ from torchweave.lower.lower import lower
 from torchweave.models.t5 import T5, T5Config
 from torchweave.policies.stage_cuts import send_lookups, shared_lookups
 from torchweave.policies.spec import PlanSpec
-from torchweave.search.constraints import load_constraints, preset
+from torchweave.search.constraints_file import load_constraints, preset
 from torchweave.search.space import points
 
 

@@ -23,7 +23,8 @@ from torchweave.plan.plan import Plan
 from torchweave.policies import PlanLike
 from torchweave.policies import resolve as resolve_policy
 from torchweave.policies.spec import is_auto, needs_search
-from torchweave.search.constraints import Constraints, Degrees, OpRule, load_constraints, preset, preset_names
+from torchweave.search.constraints import Constraints, Degrees, OpRule
+from torchweave.search.constraints_file import load_constraints, preset, preset_names
 from torchweave.search.intra import Partition, solve, tp_dims
 from torchweave.search.search import Ranked, SearchResult, search
 from torchweave.sim.hardware.cluster import Cluster, cluster_of

@@ -44,7 +44,8 @@ from torchweave.policies.recompute import block_of
 from torchweave.policies.stage_cuts import shared_lookups
 from torchweave.policies.spec import PlanSpec
 from torchweave.search.admit import admissible
-from torchweave.search.constraints import Constraints, preset
+from torchweave.search.constraints import Constraints
+from torchweave.search.constraints_file import preset
 from torchweave.search.cuts import seconds_points
 from torchweave.policies.expert import expert_count
 from torchweave.search.estimate import Estimate, estimable, estimate
