@@ -5,6 +5,8 @@ a table an earlier stage holds, moved there (``tied=send``). The pipeline polici
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torchweave.errors import Problem, TorchweaveError
 from torchweave.ir.graph import Graph
 from torchweave.ops import info
@@ -28,9 +30,7 @@ def send_lookups(graph: Graph, stage_of: dict[str, int]) -> dict[str, int]:
             if graph.values[ref.name].kind == "param":
                 first[ref.name] = min(first.get(ref.name, stage_of[node.name]), stage_of[node.name])
     out = dict(stage_of)
-    count: dict[int, int] = {}
-    for s in stage_of.values():
-        count[s] = count.get(s, 0) + 1
+    count = Counter(stage_of.values())
     for node in graph.nodes:
         homes = {first[p] for p in _looked_up(graph, node)}
         here = out[node.name]

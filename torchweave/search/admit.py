@@ -58,8 +58,7 @@ def admissible(plan: Plan, graph: Graph, c: Constraints, pt: Point) -> str | Non
                 first[s] = node
         if c.cuts is not None:
             for s, node in sorted(first.items()):
-                if s and not any(fnmatch.fnmatchcase(node.module or "", g) or fnmatch.fnmatchcase(
-                        (node.module or "") + ".x", g + ".*") for g in c.cuts):
+                if s and not c.allows_cut(node.module or ""):
                     return (f"stage {s} starts at {node.module or node.name}, not at a cut the "
                             f"constraints allow ({', '.join(c.cuts)})")
         last = pipe.stages - 1

@@ -156,6 +156,13 @@ class Constraints:
     def with_(self, **changes: Any) -> Constraints:
         return replace(self, **changes)
 
+    def allows_cut(self, module: str) -> bool:
+        """Whether a pipeline stage may start at ``module`` (or inside it): ``cuts`` unset,
+        or one of its globs matches the module or a module above it."""
+        return self.cuts is None or any(
+            fnmatch.fnmatchcase(module, g) or fnmatch.fnmatchcase(module + ".x", g + ".*")
+            for g in self.cuts)
+
 
 __all__ = ["ANY", "BALANCE", "COSHARD", "Constraints", "Degrees", "OpRule", "RECOMPUTE",
            "SCHEDULE_NAMES", "SPLITS"]

@@ -19,7 +19,6 @@ exactly whatever the cut. A GPT's whole-block stages are simulated by extrapolat
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import replace
 
 import numpy as np
@@ -38,12 +37,8 @@ def places(graph: Graph, blocks: Blocks, c: Constraints) -> list[int]:
     where the constraints list ``cuts``, of a module they allow."""
     out = set()
     for name, i in module_starts(graph, depth=len(blocks.prefix.split(".")) + 2).items():
-        if i == 0:
-            continue
-        if c.cuts is not None and not any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(
-                name + ".x", g + ".*") for g in c.cuts):
-            continue
-        out.add(i)
+        if i > 0 and c.allows_cut(name):
+            out.add(i)
     return sorted(out)
 
 
@@ -64,12 +59,12 @@ def seconds_points(graph: Graph, blocks: Blocks | None, c: Constraints, pts: lis
         stages = pt.pp * pt.virtual
         if stages not in by_stages:
             mine = balanced(seconds, stages, where)
-            policy = cut(graph, stages)
-            names = [n.name for n in graph.nodes]
-            theirs = [i for i in range(1, len(names)) if policy[names[i]] != policy[names[i - 1]]]
-            names = cut_modules(graph, mine) if mine and mine != theirs else []
+            stage_of = cut(graph, stages)
+            policy = [stage_of[n.name] for n in graph.nodes]
+            theirs = [i for i in range(1, len(policy)) if policy[i] != policy[i - 1]]
+            modules = cut_modules(graph, mine) if mine and mine != theirs else []
             # only cuts a plan string can write (a module named like `0.ff` cannot be)
-            by_stages[stages] = tuple(names) if all(MODULE_PATH.fullmatch(m) for m in names) else ()
+            by_stages[stages] = tuple(modules) if all(MODULE_PATH.fullmatch(m) for m in modules) else ()
         if by_stages[stages]:
             out.append(replace(pt, cuts=by_stages[stages]))
     return out

@@ -149,6 +149,7 @@ class Timing:
         self._links: dict[int, tuple[float, float]] = {}
         self._sums_s: dict[tuple, np.ndarray] = {}  # each stage's gradient sum, by split and cut
         self._reduce_s: dict[tuple, float] = {}
+        self._starts: dict[str, int] | None = None  # module → its first op (cuts by name)
 
     def shares(self, stages: int, tied: str = "copy", cuts: tuple[int, ...] = ()) -> Shares:
         """The cut into ``stages`` as the pipeline policy makes it: at ``cuts`` (graph
@@ -223,9 +224,11 @@ class Timing:
         """A point's ``cuts`` (module names) as graph positions (empty: the policy's cut)."""
         if not modules:
             return ()
-        from torchweave.policies.stage_cuts import cut_positions
+        if self._starts is None:
+            from torchweave.policies.stage_cuts import module_starts
 
-        return tuple(cut_positions(self.graph, list(modules), stages))
+            self._starts = module_starts(self.graph)
+        return tuple(self._starts[m] for m in modules)  # the search's own: valid names
 
     def _nbytes(self, value: str) -> int:
         """A value's bytes as sent and summed: a float32 one in the compute dtype."""
