@@ -194,6 +194,44 @@ def test_gradient_sums_start_during_the_schedule_and_change_nothing() -> None:
     assert all(e > 0 for e in stage2), f"stage 2's buckets should start before the last action: {stage2}"
 
 
+def _loss_rank(ctx, plans: tuple[str, ...]) -> dict[str, object]:
+    import torchweave
+
+    out: dict[str, object] = {}
+    for plan in plans:
+        model, inputs = _batch8("recycler-tiny" if "recycle" in plan else "gpt-tiny")
+        for direct in (True, False):
+            module = torchweave.parallelize(model, inputs, plan=plan, groups=ctx.groups)
+            senders = module._loss_from
+            if not direct:
+                module._loss_from = None  # the terms summed by one all-reduce, as on NCCL
+            out[f"{plan}/{direct}"] = ([module.train_step(*inputs) for _ in range(3)], senders)
+    return out
+
+
+@pytest.mark.dist
+def test_the_loss_reaches_every_rank_by_message_as_by_all_reduce() -> None:
+    """On gloo each loss term is sent to every rank once its last micro-batch's forward has
+    run, by the lowest rank holding it; every rank then reports the loss the all-reduce
+    gives (to float64 rounding of a replicated term's mean)."""
+    from torchweave.runtime.launch import LaunchConfig, spawn
+
+    plans = ("gpipe:pp=2,dp=2", "1f1b:tp=2,pp=2", "zb:pp=4", "interleaved:micro=4,recycle=2")
+    per_rank = spawn(_loss_rank, LaunchConfig(world_size=4, timeout_s=120.0), plans)
+    for plan in plans:
+        senders = per_rank[0][f"{plan}/True"][1]
+        assert all(out[f"{plan}/True"][1] == senders for out in per_rank), plan
+        # dp=2: two terms, each from its replica's last stage; tp=2: one term, held twice
+        assert len(senders) == (2 if "dp=2" in plan else 1), (plan, senders)
+        ref, first = per_rank[-1][f"{plan}/False"][0], per_rank[0][f"{plan}/True"][0]
+        assert len(set(first)) == len(first), f"{plan}: the steps' losses should differ: {first}"
+        for rank, out in enumerate(per_rank):
+            direct, reduced = out[f"{plan}/True"][0], out[f"{plan}/False"][0]
+            assert reduced == ref, (plan, rank, reduced, ref)
+            assert direct == first, (plan, rank, direct, first)  # bit-identical on every rank
+            assert direct == pytest.approx(reduced, rel=1e-12, abs=0), (plan, rank, direct, reduced)
+
+
 @pytest.mark.dist
 def test_pipelines_in_bf16_match_the_bf16_reference() -> None:
     """bf16 compute, fp32 master weights: messages and their gradients travel in bf16.
