@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchweave.codegen.fuse import fuse_bias
+from torchweave.codegen.fuse import fuse_bias, fuse_cross_entropy
 from torchweave.codegen.recompute import RecomputeRun, recompute_runs
 from torchweave.codegen.safe import CodegenError, check, comment, doc
 from torchweave.errors import Problem
@@ -192,7 +192,7 @@ def segment_function(prog: Program, seg: Segment) -> list[str]:
 def body(prog: Program, instrs: list, keep: set[str]) -> list[str]:
     """Lines of a function body running ``instrs`` (recompute groups wrapped)."""
     lines: list[str] = []
-    instrs = fuse_bias(prog, instrs, keep)
+    instrs = fuse_cross_entropy(prog, fuse_bias(prog, instrs, keep), keep)
     first_use = units.first_uses(prog, instrs)
     for run in recompute_runs(prog, instrs):
         if isinstance(run, RecomputeRun):
