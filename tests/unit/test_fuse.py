@@ -180,3 +180,41 @@ def test_fused_cross_entropy_gives_the_one_device_loss_and_gradients(tmp_path: P
     src = Path(compiled.code_paths[0]).read_text()
     assert CE_FUSED.search(src), src[-2000:]
     _matches_one_device(compiled, model, (idx, tgt))
+
+
+class _Losses(nn.Module):
+    """A mean and a sum cross-entropy over one head, and one with class probabilities."""
+
+    def __init__(self, soft: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head, self.soft = nn.Linear(8, 10), soft
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        y = self.head(x)
+        if self.soft:
+            return nn.functional.cross_entropy(y, t)
+        return nn.functional.cross_entropy(y, t) + 0.5 * nn.functional.cross_entropy(
+            y * 2, t, reduction="sum", ignore_index=3)
+
+
+def test_a_summed_cross_entropy_fuses_too(tmp_path: Path) -> None:
+    """reduction="sum": the loss's own node is the chain's sum; two chains in one program."""
+    model = _Losses().double()
+    inputs = (torch.randn(6, 8, dtype=torch.float64), torch.tensor([1, 3, 7, 9, 3, 0]))
+    compiled = compile_plan(model, inputs, "dp", world_size=1, code_dir=str(tmp_path))
+    src = Path(compiled.code_paths[0]).read_text()
+    assert src.count("aten.cross_entropy_loss.default(") == 2 and "logsumexp" not in src
+    assert ", None, 2, 3)" in src
+    _matches_one_device(compiled, model, inputs)
+
+
+def test_class_probabilities_are_not_rewritten(tmp_path: Path) -> None:
+    """Soft targets ([n, classes] floats) are not class indices: capture keeps the call as
+    written, which gives the model's own loss (the index form counted n·classes targets)."""
+    model = _Losses(soft=True).double()
+    inputs = (torch.randn(6, 8, dtype=torch.float64),
+              torch.softmax(torch.randn(6, 10, dtype=torch.float64), dim=1))
+    compiled = compile_plan(model, inputs, "dp", world_size=1, code_dir=str(tmp_path))
+    assert not any(n.name.endswith("_lse") for n in compiled.graph.nodes)
+    _matches_one_device(compiled, model, inputs)

@@ -4,7 +4,8 @@
   contraction dimension can be split (row-parallel) without adding the bias
   once per piece.
 - ``addmm(b, x, w)`` becomes ``mm(x, w)`` then ``add(·, b)``, likewise.
-- ``cross_entropy(x, t)`` (mean or sum, over ``[n, classes]``) becomes
+- ``cross_entropy(x, t)`` (mean or sum, over ``[n, classes]``, ``t`` int64 class indices)
+  becomes
   ``logsumexp(x) − x[t]`` per row, kept where ``t != ignore_index``, summed
   (and, for the mean, divided by the number of counted targets). Splitting the
   batch gives partial sums that add up exactly whatever ``ignore_index``
@@ -77,12 +78,13 @@ def _mean_cross_entropy(graph: Graph, node: Node) -> list[Node]:
     a.update(zip(names, node.args))
     a.update(node.kwargs)
     x, t, ignore = a["input"], a["target"], a["ignore_index"]
-    if a["reduction"] not in (_MEAN, _SUM) or a["weight"] is not None \
-            or a["label_smoothing"] != 0.0 or len(graph.values[x.name].meta.shape) != 2:
-        return [node]
-    loss = graph.values[node.outputs[0]].meta
-    n = graph.values[t.name].meta.shape[0]
     tmeta = graph.values[t.name].meta
+    if a["reduction"] not in (_MEAN, _SUM) or a["weight"] is not None \
+            or a["label_smoothing"] != 0.0 or len(graph.values[x.name].meta.shape) != 2 \
+            or tmeta.dtype != torch.int64 or len(tmeta.shape) != 1:
+        return [node]  # class probabilities, or targets of another integer type: as written
+    loss = graph.values[node.outputs[0]].meta
+    n = tmeta.shape[0]
     row = TensorMeta((n,), loss.dtype)
     lse = _derived(graph, node, "lse", "aten.logsumexp.default", (x, [1], False), {}, row)
     valid = _derived(graph, node, "valid", "aten.ne.Scalar", (t, ignore), {},

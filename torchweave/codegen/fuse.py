@@ -118,7 +118,8 @@ def fuse_bias(prog: Program, instrs: list[Instr], keep: set[str]) -> list[Instr]
 CHAIN = ("lse", "valid", "safe", "index", "picked", "target_logit", "each", "kept", "sum")
 """The nodes capture writes a cross-entropy as (:mod:`torchweave.capture.normalize`), by
 the suffix each name ends in: ``sum((logsumexp(x, 1) - gather(x, 1, t·valid)) · valid)``
-with ``valid = t != ignore_index``."""
+with ``valid = t != ignore_index`` (under ``reduction="sum"`` the sum is the loss's own
+node, named without a suffix)."""
 
 _VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
 
@@ -140,8 +141,9 @@ def _chain(instrs: list[Instr], i: int, keep: set[str], uses: Counter[str],
             part = ins.node[len(prefix) + 1:]
             if part in CHAIN and part not in at:
                 at[part] = j
-        if len(at) == len(CHAIN):
-            break
+    if "sum" not in at:  # reduction="sum": the loss's own node is the sum
+        at.update({"sum": j for j, ins in enumerate(instrs) if isinstance(ins, Compute)
+                   and ins.node == prefix and ins.fn == "aten.sum.default"})
     if len(at) != len(CHAIN):
         return None
     c = {part: instrs[j] for part, j in at.items()}
