@@ -202,9 +202,9 @@ def _loss_rank(ctx, plans: tuple[str, ...]) -> dict[str, object]:
         model, inputs = _batch8("recycler-tiny" if "recycle" in plan else "gpt-tiny")
         for direct in (True, False):
             module = torchweave.parallelize(model, inputs, plan=plan, groups=ctx.groups)
-            senders = module._loss_from
+            senders = module.loss_messages.senders
             if not direct:
-                module._loss_from = None  # the terms summed by one all-reduce, as on NCCL
+                module.loss_messages = None  # the terms summed by one all-reduce, as on NCCL
             out[f"{plan}/{direct}"] = ([module.train_step(*inputs) for _ in range(3)], senders)
     return out
 

@@ -57,25 +57,12 @@ from torchweave.lower.steps import Transfer
 from torchweave.plan.schedules import Action, Kind
 from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
+from torchweave.runtime.loss_messages import LossMessages
 from torchweave.runtime.regather import Forward, forward_hooks
 from torchweave.runtime.zb import SplitBackward
 
 _TAG_TRANSFERS = 4096
 """Room for this many transfers per boundary in a message tag."""
-
-_LOSS_TAG = 0x1055
-"""The tag of the loss's messages on gloo (the world group's exchanges use tag 0)."""
-
-_LOSS_MESSAGES = 4096
-"""Most loss messages a step (senders x ranks) sent point to point; more: one all-reduce."""
-
-
-def _wait_all(works: list[tuple[Any, torch.Tensor]]) -> None:
-    """Wait on each posted send and drop it: a gloo send waited on twice waits for a second
-    send that never comes."""
-    while works:
-        works.pop()[0].wait()
-
 
 def _region(t: torch.Tensor, box) -> torch.Tensor:
     return t[tuple(slice(a, b) for a, b in box)]
@@ -145,36 +132,11 @@ class PipelineModule(RankModule):
         self.tagged = _tagged(self.config.p2p_tags, self.rt.group_cache)
         """Messages carry tags (a check on gloo); untagged, each is sent with tag 0."""
         self._groups = self.rt.group_cache.pipeline_groups()
-        self._loss_from = self._loss_senders()
-        self._loss_sent: list[tuple[Any, torch.Tensor]] = []
+        self.loss_messages = LossMessages.build(self.program, self.rt.group_cache)
+        """The loss's terms sent to every rank (:mod:`~torchweave.runtime.loss_messages`); None:
+        summed by an all-reduce after the step."""
         self._final = self._final_grads()
         self._final_ids = [{id(p) for p in ps} for ps in self._final]
-
-    def _loss_senders(self) -> dict[int, int] | None:
-        """On gloo: each loss term's index -> the rank that sends it to every other rank as
-        soon as its last micro-batch's forward has run (the lowest of the ranks holding that
-        term); None where the terms are summed by one all-reduce after the step (NCCL, one
-        rank, or more than ``_LOSS_MESSAGES`` messages).
-
-        The all-reduce waits for every rank to reach it: on gloo over ranks that share cores,
-        for the slowest rank's last action and then a ring of hops, each a process to wake
-        (about 3% of a zero-bubble step on 8 ranks here). The last stage's loss is final long
-        before the first stage's last action, so the message is there when it is read.
-        Which rank holds which term is learned once, by an all-gather every rank makes here."""
-        prog, cache = self.program, self.rt.group_cache
-        if prog.world_size == 1 or cache.nccl:
-            return None
-        mine = torch.tensor([prog.loss_partial[0] if prog.loss is not None else -1],
-                            dtype=torch.int64, device=cache.p2p_device)
-        every = [torch.empty_like(mine) for _ in range(prog.world_size)]
-        dist.all_gather(every, mine)
-        senders: dict[int, int] = {}
-        for rank, t in enumerate(every):
-            if int(t) >= 0:
-                senders.setdefault(int(t), rank)
-        if not senders or len(senders) * prog.world_size > _LOSS_MESSAGES:
-            return None
-        return dict(sorted(senders.items()))
 
     def _final_grads(self) -> list[list[torch.Tensor]]:
         """Per action of this rank: the parameter pieces whose gradient is complete once it ran.
@@ -212,8 +174,9 @@ class PipelineModule(RankModule):
         self._got: dict[Message, torch.Tensor] = {}
         self._posted: dict[Message, tuple[Any, torch.Tensor]] = {}
         self._loss = 0.0
-        self._loss_terms, self._loss_out = 0, False
-        self._loss_in = self._post_loss()
+        self._loss_terms = 0
+        if self.loss_messages is not None:
+            self.loss_messages.begin()
         self.stats = StepStats()
         start = time.perf_counter()
         for i, action in enumerate(self.program.actions):
@@ -228,7 +191,8 @@ class PipelineModule(RankModule):
             self.stats.peak_live = max(self.stats.peak_live, len(self._live))
             self._drop_sent()
         self.sync.enabled = False
-        self._send_loss()  # once a step: here if no forward made the term final
+        if self.loss_messages is not None:  # once a step: here if no forward made it final
+            self.loss_messages.send(self._loss)
         for work, _ in self._pending:
             work.wait()
         self._pending = []
@@ -299,8 +263,8 @@ class PipelineModule(RankModule):
         if grad and loss is not None:
             self._loss = self._loss + loss.detach().double() / self.micro
             self._loss_terms += 1
-            if self._loss_terms == self.micro:
-                self._send_loss()
+            if self._loss_terms == self.micro and self.loss_messages is not None:
+                self.loss_messages.send(self._loss)
 
     def _read_locally(self, name: str) -> bool:
         return any(name in seg.inputs for seg in self.segments.values())
@@ -426,32 +390,6 @@ class PipelineModule(RankModule):
         self._pending = left
 
     # ------------------------------------------------------------ loss
-    def _post_loss(self) -> dict[int, tuple[Any, torch.Tensor]]:
-        """This step's receives of the loss terms other ranks send (direct loss messages);
-        the last step's loss sends, long completed, are waited on first."""
-        _wait_all(self._loss_sent)
-        self._loss_sent = []
-        if self._loss_from is None:
-            return {}
-        got = {}
-        for index, src in self._loss_from.items():
-            if src != self.rt.rank:
-                buf = torch.zeros(1, dtype=torch.float64, device=self.rt.group_cache.p2p_device)
-                got[index] = (dist.irecv(buf, src, tag=_LOSS_TAG), buf)
-        return got
-
-    def _send_loss(self) -> None:
-        """Send this rank's loss term, now final, to every other rank (if it is its sender),
-        once a step."""
-        if self._loss_out or self._loss_from is None or self.rt.rank not in self._loss_from.values():
-            return
-        self._loss_out = True
-        data = torch.as_tensor(self._loss, dtype=torch.float64).detach().reshape(1).to(
-            self.rt.group_cache.p2p_device)
-        for dst in range(self.program.world_size):
-            if dst != self.rt.rank:
-                self._loss_sent.append((dist.isend(data, dst, tag=_LOSS_TAG), data))
-
     def _reported_loss(self) -> Callable[[], float]:
         """The step's loss on every rank (each partial term counted once, from the last stage):
         its terms' messages posted, or their sum over ranks started; the result waits and
@@ -460,22 +398,8 @@ class PipelineModule(RankModule):
         if world == 1:
             loss = self._loss  # this step's: the next step rebinds self._loss
             return lambda: float(loss)
-        if self._loss_from is not None:
-            own, incoming, me, senders = self._loss, self._loss_in, self.rt.rank, self._loss_from
-            sent = self._loss_sent
-
-            def direct() -> float:
-                _wait_all(sent)  # done once every rank has posted this step's receives
-                total = torch.zeros((), dtype=torch.float64)
-                for index, src in senders.items():
-                    if src == me:
-                        total = total + torch.as_tensor(own, dtype=torch.float64).cpu()
-                    else:
-                        work, buf = incoming[index]
-                        work.wait()
-                        total = total + buf.cpu()[0]
-                return float(total)
-            return direct
+        if self.loss_messages is not None:
+            return self.loss_messages.reader(self._loss)
         buf = torch.zeros(2 * world, dtype=torch.float64, device=self.rt.device)
         if prog.loss is not None:
             index = prog.loss_partial[0]
