@@ -48,17 +48,16 @@ def first_step(ctx, side: str, mark) -> float:
         value = float(total) / ctx.world_size
     else:  # parallelize's own three steps (torchweave/parallel.py), each marked
         from torchweave.parallel import StepConfig, compile_plan, default_optimizer, rank_module
-        from torchweave.parallel import freeze_startup_objects, shared_front
+        from torchweave.parallel import shared_front, startup_collector
 
         mark("torchweave imported")
-        freeze_startup_objects("before capture")
-        front = shared_front(model, batch, "dp", groups=ctx.groups)
-        mark("graph and plan from rank 0")
-        compiled = compile_plan(model, batch, "dp", world_size=ctx.world_size,
-                                only_rank=ctx.rank, front=front)
-        mark("lowered, code generated")
-        pm = rank_module(compiled, ctx.groups, optimizer=default_optimizer, config=StepConfig())
-        freeze_startup_objects("after compile")
+        with startup_collector():
+            front = shared_front(model, batch, "dp", groups=ctx.groups)
+            mark("graph and plan from rank 0")
+            compiled = compile_plan(model, batch, "dp", world_size=ctx.world_size,
+                                    only_rank=ctx.rank, front=front)
+            mark("lowered, code generated")
+            pm = rank_module(compiled, ctx.groups, optimizer=default_optimizer, config=StepConfig())
         value = float(pm.train_step(*batch))
     mark("first step done")
     return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -11,7 +12,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -350,39 +351,39 @@ def parallelize(
             else torch.device("cpu")
         groups = GroupCache(rank=dist.get_rank(), world_size=dist.get_world_size(),
                             timeout_s=60.0, device=device)
-    freeze_startup_objects("before capture")
-    front = shared_front(model, example_inputs, plan, groups=groups,
-                         micro_batches=config.grad_accum, precision=config.precision) \
-        if share_capture else None
-    compiled = compile_plan(model, example_inputs, plan, world_size=groups.world_size,
-                            code_dir=code_dir, micro_batches=config.grad_accum,
-                            precision=config.precision, only_rank=groups.rank, front=front)
-    module = rank_module(compiled, groups, optimizer=optimizer, config=config)
-    freeze_startup_objects("after compile")
+    with startup_collector():
+        front = shared_front(model, example_inputs, plan, groups=groups,
+                             micro_batches=config.grad_accum, precision=config.precision) \
+            if share_capture else None
+        compiled = compile_plan(model, example_inputs, plan, world_size=groups.world_size,
+                                code_dir=code_dir, micro_batches=config.grad_accum,
+                                precision=config.precision, only_rank=groups.rank, front=front)
+        module = rank_module(compiled, groups, optimizer=optimizer, config=config)
     module.recompile = _recompiler(model, compiled, groups, config, code_dir)
     return module
 
 
-_FROZEN: set[str] = set()
+@contextlib.contextmanager
+def startup_collector() -> Iterator[None]:
+    """Keep the cycle collector off the objects alive when a rank starts building its piece.
 
-
-def freeze_startup_objects(point: str) -> None:
-    """Move every object alive now out of the cycle collector's reach, once per ``point``
-    in a process (:func:`gc.freeze`).
-
-    After ``import torch`` a process holds some 330,000 objects that live as long as it
-    does, and capture adds 150,000 more. Each full collection walks them all (0.15 CPU-s),
-    and startup's allocations trigger several: on rank 0, capture and lowering paid
-    0.27 CPU-s of collections for ``dp`` on bench/parallel.py's GPT, on the path every
-    other rank waits on. Frozen objects are still freed by reference counting; only a
-    cycle among them that becomes garbage later is never collected. Right after capture
-    and lowering such garbage is tens of objects (``gc.collect()`` there finds ~55), and
-    each point freezes once per process, so a process that parallelizes many times
-    (tests, a search) freezes nothing more. ``gc.unfreeze()`` undoes it.
+    After ``import torch`` a process holds some 330,000 long-lived objects, and capture
+    allocates enough new ones to trigger full collections, each walking them all: for
+    ``dp`` on bench/parallel.py's GPT, three during capture and lowering, 0.34 CPU-s on
+    rank 0, on the path every other rank waits on. Inside this block those objects are
+    frozen (:func:`gc.freeze`), so collections walk only what startup makes; on leaving it
+    they go back to the collector (:func:`gc.unfreeze`), so nothing is kept from it for
+    good (a user's model in a reference cycle is still freed once deleted). A process
+    that froze objects itself is left as it is.
     """
-    if point not in _FROZEN:
-        _FROZEN.add(point)
-        gc.freeze()
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _recompiler(model: torch.nn.Module, compiled: Compiled, groups: GroupCache, config: StepConfig,
