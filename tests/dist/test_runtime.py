@@ -137,3 +137,64 @@ def test_zero1_and_2_step_the_pieces_in_place_without_a_master_copy(plan: str) -
         # between steps: the pieces (every owned one, whole) and AdamW's two moments of this
         # member's half, 2x the pieces; a master copy of the half would make it 2.5x
         assert held < 2.1 * owned, (held, owned)
+
+
+def _loss_two_ways(ctx, model, inputs, plan: str, accum: int):
+    import copy
+
+    import torch.distributed as dist
+
+    from torchweave.parallel import parallelize
+
+    config = StepConfig(grad_accum=accum)
+    riding = parallelize(copy.deepcopy(model), inputs, plan=plan, groups=ctx.groups, config=config)
+    alone = parallelize(copy.deepcopy(model), inputs, plan=plan, groups=ctx.groups, config=config)
+    has_rider = riding.sync.rider is not None
+    alone.sync.rider = None  # its loss summed by a collective of its own (loss_start)
+    calls = {"n": 0}
+    real = dist.all_reduce
+
+    def counted(*args, **kwargs):  # counts, and calls the real collective
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    out = []
+    dist.all_reduce = counted
+    try:
+        for _ in range(2):
+            counts = []
+            for module in (riding, alone):
+                calls["n"] = 0
+                loss = module.train_step(*inputs)
+                counts.append(calls["n"])
+                out.append(loss)
+            out.append(tuple(counts))
+    finally:
+        dist.all_reduce = real
+    same = all(torch.equal(a.detach(), b.detach()) for a, b in
+               zip(riding.params.values(), alone.params.values()))
+    return has_rider, out, same
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plan,accum", [("dp", 1), ("dp", 2), ("tp", 1), ("sp", 2),
+                                        ("zero2", 1), ("tp:tp=2,dp=2", 1)])
+def test_the_loss_rides_in_a_gradient_bucket_and_equals_its_own_sum(plan: str, accum: int) -> None:
+    """Where a gradient bucket spans the loss's group, the step's loss is summed in that bucket
+    (one collective fewer a step, as DDP's step has none for the loss): every rank gets the
+    loss the separate sum gives, within float32 rounding of the terms, and the parameters
+    after two steps are bit-identical."""
+    model, inputs = built("gpt-tiny")[:2]
+    world = 4 if "dp=2" in plan else 2
+    for has_rider, out, same in spawn(_loss_two_ways, LaunchConfig(world_size=world), model,
+                                      inputs, plan, accum):
+        assert same, f"{plan}: parameters differ after two steps"
+        for step in range(2):
+            riding, alone, (n_riding, n_alone) = out[3 * step: 3 * step + 3]
+            assert riding == pytest.approx(alone, rel=1e-6), (plan, step, riding, alone)
+            if has_rider:
+                assert n_riding == n_alone - 1, (plan, n_riding, n_alone)
+            else:
+                assert n_riding == n_alone, (plan, n_riding, n_alone)
+    if plan == "dp":  # its buckets span the world, the loss's group
+        assert has_rider, f"{plan}: the loss should ride in a gradient bucket"

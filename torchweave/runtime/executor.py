@@ -144,8 +144,11 @@ class RankModule(UserLoop):
         rest = [p for p, _ in trainable if self.zero_opt is None or not self.zero_opt.owns(p)]
         self.optimizer = optimizer(rest) if rest else None
         first, rest_bytes = bucket_caps(config.bucket_mb)
+        rider = None
+        if program.loss_group is not None and type(self) is RankModule:  # a pipeline: messages
+            rider = (program.loss_group, 2 * program.loss_partial[1])
         self.sync = GradSync(group_cache, synced, bucket_bytes=rest_bytes, first_bucket_bytes=first,
-                             overlap=config.overlap)
+                             overlap=config.overlap, rider=rider)
         self.trainable = trainable
 
     # ------------------------------------------------------------ one step
@@ -200,18 +203,25 @@ class RankModule(UserLoop):
             last = i == k - 1
             self.sync.enabled = last
             loss = self.forward(*[m[i] for m in micro])
+            if loss is not None:  # kept on the device: no wait for the value here
+                total = total + loss.detach().double()
+                dtype = torch.float64 if loss.dtype == torch.float64 else torch.float32
+            if last and self.sync.rider is not None:  # before backward starts its bucket's sum
+                self._loss_slots(self.sync.rider.tail, total / k)
             roots = ([loss.float() / k] if loss is not None else []) + self.rt.send_roots
             if roots and any(r.requires_grad for r in roots):
                 grads = [torch.ones_like(r) if r.numel() else torch.zeros_like(r) for r in roots]
                 torch.autograd.backward(roots, grads)
-            if loss is not None:  # kept on the device: no wait for the value here
-                total = total + loss.detach().double()
-                dtype = torch.float64 if loss.dtype == torch.float64 else torch.float32
         self.sync.finish()
         if self.zero_opt is not None:
             self.zero_opt.finish_grads()
         if self.config.clip_grad_norm is not None:
             self.clip(self.config.clip_grad_norm)
+        if self.sync.rider is not None:  # summed with the gradients, already there
+            tail = self.sync.rider.tail.double()
+            half = tail.numel() // 2
+            value = (tail[:half] / tail[half:]).sum()
+            return lambda: float(value.to(dtype))
         summed = self.loss_start(total / k)
         # the terms are summed in float64; the loss is a number of the model's loss dtype, as
         # the user loop's pm(*batch) returns it (float32, or float64 for a float64 model)
@@ -255,6 +265,14 @@ class RankModule(UserLoop):
     def loss_value(self, local: float | torch.Tensor) -> float:
         """The loss on every rank: each partial term counted once, however many ranks hold it."""
         return float(self.loss_start(local)())
+
+    def _loss_slots(self, tail: torch.Tensor, local: float | torch.Tensor) -> None:
+        """This rank's loss term and its count in ``tail`` (the slots :meth:`loss_start`'s
+        buffer has), for a sum that rides in a gradient bucket."""
+        index, count = self.program.loss_partial
+        tail.zero_()
+        tail[index] = local
+        tail[count + index] = 1.0
 
     def loss_start(self, local: float | torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start summing this rank's loss term over the loss group; the result waits for the

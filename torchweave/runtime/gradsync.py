@@ -20,6 +20,12 @@ A caller that runs several backward passes per step (micro-batches, pipeline
 actions) says which gradients are final in the pass it is about to run
 (``enabled`` and ``allow``), and may mark gradients final that no hook sees
 (``mark_ready``: ones accumulated by hand, or never produced).
+
+The step's loss may ride in a bucket too (``rider``: its group and a number of
+slots): the last bucket over that group gets that many elements after its
+gradients, which the caller fills before the bucket's sum starts and reads
+after :meth:`GradSync.finish`. The loss is then summed with the gradients, not
+by a collective of its own (DDP's step sums no loss at all).
 """
 
 from __future__ import annotations
@@ -42,17 +48,22 @@ class Bucket:
     """The bucket's gradients, one after another (made when the bucket is full)."""
     views: list[torch.Tensor] = field(default_factory=list)
     work: object | None = None
+    extra: int = 0
+    """Elements after the gradients that belong to no parameter (the loss's slots)."""
+    tail: torch.Tensor | None = None
+    """Those elements, a view of ``flat``."""
 
     def nbytes(self) -> int:
         return sum(q.numel() * q.element_size() for q in self.params)
 
     def build(self) -> None:
         p0 = self.params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
         offsets = [0]
         for p in self.params:
             offsets.append(offsets[-1] + p.numel())
+        self.flat = torch.zeros(offsets[-1] + self.extra, dtype=p0.dtype, device=p0.device)
         self.views = [self.flat[a:b].view_as(p) for a, b, p in zip(offsets, offsets[1:], self.params)]
+        self.tail = self.flat[offsets[-1]:] if self.extra else None
 
     def gather(self) -> None:
         """Every gradient into its place in ``flat``, and ``.grad`` made that place."""
@@ -71,8 +82,8 @@ class GradSync:
     """Bucketed all-reduce of parameter gradients over their plan-given groups."""
 
     def __init__(self, group_cache: GroupCache, params: list[tuple[torch.Tensor, tuple[int, ...]]],
-                 *, bucket_bytes: int, overlap: bool, first_bucket_bytes: int | None = None
-                 ) -> None:
+                 *, bucket_bytes: int, overlap: bool, first_bucket_bytes: int | None = None,
+                 rider: tuple[tuple[int, ...], int] | None = None) -> None:
         self.group_cache, self.overlap = group_cache, overlap
         self.buckets: list[Bucket] = []
         self.enabled = True
@@ -92,6 +103,15 @@ class GradSync:
                 self.buckets.append(b)
                 open_[key] = b
             b.params.append(p)
+        self.rider: Bucket | None = None
+        """The bucket that carries ``rider``'s slots (None: no bucket over its group holds
+        floating-point gradients of at least float32, and the caller sums by itself)."""
+        if rider is not None:
+            fits = [b for b in self.buckets if b.group == tuple(rider[0])
+                    and b.params[0].dtype in (torch.float32, torch.float64)]
+            if fits:
+                self.rider = fits[-1]
+                self.rider.extra = rider[1]
         for b in self.buckets:
             b.build()
         self._where = {id(p): (i, b) for i, b in enumerate(self.buckets) for p in b.params}
