@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -386,16 +387,35 @@ def startup_collector() -> Iterator[None]:
         gc.unfreeze()
 
 
+class ModelReleased(TorchweaveError):
+    """A batch of new shapes needs the model, and the caller no longer holds it."""
+
+
 def _recompiler(model: torch.nn.Module, compiled: Compiled, groups: GroupCache, config: StepConfig,
                 code_dir: str | None):
     """This rank's program and code for a batch of other shapes, under the plan as resolved
-    for the example batch (no new search): a new capture, checked and lowered again."""
-    rank, done = groups.rank, [0]
+    for the example batch (no new search): a new capture, checked and lowered again.
+
+    It holds the model weakly and keeps only the plan of ``compiled``: a rank keeps its own
+    pieces, and the whole model's parameters, the graph and its constants go when the
+    caller lets the model go (PyTorch's pipeline stages keep only their own blocks too)."""
+    rank, done, plan, held = groups.rank, [0], compiled.plan, weakref.ref(model)
+    example = compiled.example_shapes
 
     def compile_for(batch: tuple[Any, ...]) -> tuple[Program, str]:
+        model = held()
+        if model is None:
+            shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in batch)
+            raise ModelReleased(Problem(
+                obj="pm(*batch)", value=f"input shapes {shapes}",
+                rule="a batch of shapes other than the example's is compiled from the model given "
+                     "to parallelize, and that model has been released (torchweave keeps no "
+                     "reference to it, so that its memory goes when yours does)",
+                fix=f"keep a reference to the model while training on batches of other shapes, or "
+                    f"pad batches to the example's shapes {example}"))
         done[0] += 1
         sub = os.path.join(code_dir, f"shape{done[0]}") if code_dir else None
-        again = compile_plan(model, batch, compiled.plan, world_size=groups.world_size, code_dir=sub,
+        again = compile_plan(model, batch, plan, world_size=groups.world_size, code_dir=sub,
                              micro_batches=config.grad_accum, precision=config.precision,
                              only_rank=rank)
         return again.programs[rank], again.code_paths[rank]

@@ -325,7 +325,8 @@ def _lengths(ctx, model, batches, plans):
 
     out = []
     for plan in plans:
-        pm = torchweave.parallelize(copy.deepcopy(model), batches[0], plan=plan, groups=ctx.groups)
+        mine = copy.deepcopy(model)  # held: a batch of new shapes is compiled from it
+        pm = torchweave.parallelize(mine, batches[0], plan=plan, groups=ctx.groups)
         opt = torchweave.optimizer(pm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
         losses = _loop(pm, opt, sched, batches + batches[:1], accum=1, clip=None,
@@ -337,6 +338,27 @@ def _lengths(ctx, model, batches, plans):
             error = str(e)
         out.append((losses, pm.state_dict(full=True), error))
     return out
+
+
+def _released(ctx, model, batches):
+    import gc
+    import weakref
+
+    import torchweave
+
+    mine = copy.deepcopy(model)
+    seen = weakref.ref(mine)
+    pm = torchweave.parallelize(mine, batches[0], plan="dp", groups=ctx.groups)
+    del mine
+    gc.collect()
+    freed = seen() is None
+    same = float(pm(*batches[0]))  # the example's shapes need no model
+    try:
+        pm(*batches[1])
+        error = ""
+    except torchweave.TorchweaveError as e:
+        error = str(e)
+    return freed, same, error
 
 
 @pytest.mark.dist
@@ -358,6 +380,20 @@ def test_one_module_trains_on_three_sequence_lengths_like_one_device() -> None:
                                            msg=lambda m: f"{plan} rank {rank} {name}: {m}")
             if plan == "sp":
                 assert "5" in error and "divid" in error, error
+
+
+@pytest.mark.dist
+def test_a_released_model_is_freed_and_a_new_shape_then_says_to_keep_it() -> None:
+    """parallelize holds the model weakly: a rank keeps its own pieces, and the model's whole
+    parameters go when the caller drops it. A batch of the example's shapes still runs; one
+    of other shapes (compiled from the model) names the rule and the fix."""
+    model, inputs = built("gpt-tiny")[:2]
+    g = torch.Generator().manual_seed(3)
+    batches = [tuple(torch.randint(0, 256, (8, n), generator=g) for _ in inputs) for n in (16, 8)]
+    for freed, same, error in spawn(_released, LaunchConfig(world_size=2), model, batches):
+        assert freed
+        assert same == same  # a number, not NaN
+        assert "has been released" in error and "keep a reference to the model" in error, error
 
 
 def _host_reads(ctx, model, batch, plans):

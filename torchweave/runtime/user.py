@@ -241,8 +241,12 @@ class UserLoop:
         variants = self._variants = self._variants or {
             self.example_shapes: (self.program, self.code)}
         if shapes not in variants:
+            from torchweave.parallel import ModelReleased
+
             try:
                 program, path = self.recompile(batch)
+            except ModelReleased:
+                raise
             except TorchweaveError as e:
                 why = " ".join(line.strip() for line in str(e).splitlines()[:3])
                 raise TorchweaveError(Problem(
