@@ -31,6 +31,9 @@ fails, gets a row that says so; the run goes on.
 
 Run: python bench/peers.py [--worlds 2 4 8] [--launches 3] [--steps N] [--only dp zero3 ...]
                            [--quick] [--readme [--readme-path PATH]]
+
+Resident memory (peak RSS per rank) is bench/rss.py's: both sides of a pair share one
+process here, and a process has one resident set, so it runs each side in its own launch.
 """
 
 from __future__ import annotations

@@ -37,3 +37,22 @@ def test_peers_quick_dp_row_has_a_ratio_and_writes_the_readme_section(tmp_path: 
     text = readme.read_text()
     assert "<!-- peers:begin -->" in text and "<!-- peers:end -->" in text, text
     assert rows[0] in text, text
+
+
+@pytest.mark.dist
+def test_rss_bench_gives_each_rank_a_ratio_and_writes_its_section(tmp_path: Path) -> None:
+    """bench/rss.py on dp at 2 ranks, 1 step: each side ran in its own launch and each rank has
+    a peak resident set ratio."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "rss.py"), "--worlds", "2",
+                          "--steps", "1", "--only", "dp", "--readme", "--readme-path", str(readme)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| dp | DDP | 2 |")]
+    assert rows, run.stdout
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert float(cells[3]) > 100 and float(cells[4]) > 100, rows[0]  # MiB: torch alone is more
+    assert len(cells[6].split(",")) == 2, rows[0]  # one ratio a rank
+    assert cells[8] in ("yes", "no"), rows[0]
+    assert "<!-- peers-rss:begin -->" in readme.read_text()
