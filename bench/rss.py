@@ -4,8 +4,10 @@ bench/peers.py runs both sides of a pair in one process (alternating their timed
 which is fair for time but mixes their memory: a process's resident set is one number.
 Here each side of each pair gets its own launch of fresh processes: each rank builds that
 side exactly as bench/peers.py does (the same models, plans, optimizers and batches),
-trains ``--steps`` steps, and reports its peak resident set size (``ru_maxrss``) and its
-resident set after the last step (``/proc/self/statm``). Everything the process does
+trains ``--steps`` steps, and reports its peak resident set size (``VmHWM`` of
+``/proc/self/status``: this process image's own, where ``ru_maxrss`` would carry over the
+launching process's peak through exec) and its resident set after the last step
+(``/proc/self/statm``). Everything the process does
 counts: imports, model, capture and code generation on torchweave's side, wrapping on
 the peer's, the steps.
 
@@ -78,14 +80,21 @@ def _resident_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def rank_main(ctx, pair: str, side: str, steps: int) -> dict[str, float]:
     step = side_step(ctx, pair, side)
     for _ in range(steps):
         dist.barrier()
         step()
     dist.barrier()
-    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "now": _resident_mib()}
+    return {"peak": _peak_mib(), "now": _resident_mib()}
 
 
 def launch(pair: str, side: str, world: int, steps: int) -> list[dict[str, float]]:

@@ -340,6 +340,12 @@ def parallelize(
     forward leaves Python state that every rank reads afterwards (capture is the
     only time the model's own forward runs; the Lightning strategy's wrapper
     learns there which logged value is the loss).
+
+    ``model`` is held weakly: each rank keeps its own pieces, and the model's memory goes
+    when the caller drops it. A batch of shapes other than the example's is compiled from
+    the model (:class:`ModelReleased` once it is gone), so keep a reference to it while
+    batches change shape; a model in a reference cycle goes only at the collector's next
+    full pass, which Python times.
     """
     if groups is None:
         if not dist.is_initialized():

@@ -141,7 +141,8 @@ def _state_and_errors(ctx, model, batches, directory):
     pm2.eval()
     with torch.no_grad():
         out["eval"] = pm2(*batches[1]).item()
-    pm3 = torchweave.parallelize(copy.deepcopy(model), batches[0], plan="dp", groups=ctx.groups)
+    model3 = copy.deepcopy(model)  # held: a new shape (the bad one below) is compiled from it
+    pm3 = torchweave.parallelize(model3, batches[0], plan="dp", groups=ctx.groups)
     pm3.load_state_dict(out["full"])  # whole tensors, as torch.save'd
     with torch.no_grad():
         out["eval_dp"] = pm3(*batches[1]).item()
@@ -219,6 +220,7 @@ def test_state_dicts_under_the_models_names_through_dcp_eval_and_clear_errors(tm
     assert a["eval"] == pytest.approx(ref_eval, rel=1e-9) and b["eval_dp"] == pytest.approx(ref_eval, rel=1e-9)
     errors = a["errors"]
     assert "input shapes ((1, " in errors["shape"] and "(8, " in errors["shape"]
+    assert "divid" in errors["shape"] and "released" not in errors["shape"], errors["shape"]
     assert "second time" in errors["twice"]
     assert "newer torchweave.optimizer" in errors["stale"]
     assert "before the first one's backward" in errors["pending"]
@@ -357,7 +359,7 @@ def _released(ctx, model, batches):
         pm(*batches[1])
         error = ""
     except torchweave.TorchweaveError as e:
-        error = str(e)
+        error = f"{type(e).__name__}: {e}"
     return freed, same, error
 
 
@@ -393,7 +395,9 @@ def test_a_released_model_is_freed_and_a_new_shape_then_says_to_keep_it() -> Non
     for freed, same, error in spawn(_released, LaunchConfig(world_size=2), model, batches):
         assert freed
         assert same == same  # a number, not NaN
+        assert error.startswith("ModelReleased: "), error  # raised as itself, not re-wrapped
         assert "has been released" in error and "keep a reference to the model" in error, error
+        assert "splits divide" not in error, error
 
 
 def _host_reads(ctx, model, batch, plans):

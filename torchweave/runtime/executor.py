@@ -112,6 +112,10 @@ class RankModule(UserLoop):
     (``None`` if there is none). Callers use :meth:`optimizers`, :meth:`optimizer_step`,
     :meth:`zero_grads` and the checkpoint methods below, not either one directly."""
 
+    loss_rides: bool = True
+    """Whether the step's loss may be summed in a gradient bucket (``GradSync``'s rider);
+    a pipeline sends it by message instead (:class:`~torchweave.runtime.schedule_runner.PipelineModule`)."""
+
     def __init__(self, program: Program, code_path: str, state: dict[str, torch.Tensor],
                  group_cache: GroupCache, *, optimizer: OptimizerFactory = default_optimizer,
                  config: StepConfig = StepConfig(), zero: int = 0,
@@ -145,7 +149,10 @@ class RankModule(UserLoop):
         self.optimizer = optimizer(rest) if rest else None
         first, rest_bytes = bucket_caps(config.bucket_mb)
         rider = None
-        if program.loss_group is not None and type(self) is RankModule:  # a pipeline: messages
+        self._rider_slots = (program.loss_group, program.loss_partial)
+        """The loss's group and slots the rider was sized for (a program compiled for a new
+        batch shape that differed would sum its loss by itself)."""
+        if program.loss_group is not None and self.loss_rides:
             rider = (program.loss_group, 2 * program.loss_partial[1])
         self.sync = GradSync(group_cache, synced, bucket_bytes=rest_bytes, first_bucket_bytes=first,
                              overlap=config.overlap, rider=rider)
@@ -183,7 +190,8 @@ class RankModule(UserLoop):
     def train_step(self, *batch: torch.Tensor) -> float:
         """Forward, backward, gradient sync, clipping and optimizer step; the loss.
 
-        The loss's sum over ranks runs while the optimizer steps: it is read after."""
+        The loss is summed over ranks in a gradient bucket where one spans its group;
+        otherwise its sum runs while the optimizer steps, and is read after."""
         loss = self.backward_async(*batch)
         self.optimizer_step()
         return loss()
@@ -193,9 +201,12 @@ class RankModule(UserLoop):
         return self.backward_async(*batch)()
 
     def backward_async(self, *batch: torch.Tensor) -> Callable[[], float]:
-        """:meth:`backward_step` with the loss's sum over ranks started, not waited for:
-        calling the result waits and gives the loss."""
+        """:meth:`backward_step` with the loss's sum over ranks done in a gradient bucket (see
+        ``GradSync``'s rider), or else started, not waited for: calling the result waits and
+        gives the loss."""
         k = self.config.grad_accum
+        rider = self.sync.rider if (self.program.loss_group, self.program.loss_partial) \
+            == self._rider_slots else None
         micro = [torch.chunk(x, k, dim=0) for x in batch]
         total: torch.Tensor | float = 0.0
         dtype = torch.float32
@@ -206,8 +217,8 @@ class RankModule(UserLoop):
             if loss is not None:  # kept on the device: no wait for the value here
                 total = total + loss.detach().double()
                 dtype = torch.float64 if loss.dtype == torch.float64 else torch.float32
-            if last and self.sync.rider is not None:  # before backward starts its bucket's sum
-                self._loss_slots(self.sync.rider.tail, total / k)
+            if last and rider is not None:  # before backward starts its bucket's sum
+                self._loss_slots(rider.tail, total / k)
             roots = ([loss.float() / k] if loss is not None else []) + self.rt.send_roots
             if roots and any(r.requires_grad for r in roots):
                 grads = [torch.ones_like(r) if r.numel() else torch.zeros_like(r) for r in roots]
@@ -217,10 +228,12 @@ class RankModule(UserLoop):
             self.zero_opt.finish_grads()
         if self.config.clip_grad_norm is not None:
             self.clip(self.config.clip_grad_norm)
-        if self.sync.rider is not None:  # summed with the gradients, already there
-            tail = self.sync.rider.tail.double()
+        # summed with the gradients, already there; not for a float64 loss in a float32 bucket
+        if rider is not None and (dtype != torch.float64 or rider.tail.dtype == torch.float64):
+            tail = rider.tail.double()
             half = tail.numel() // 2
             value = (tail[:half] / tail[half:]).sum()
+            rider.tail.zero_()  # a later sum that does not write it (the user's loop) adds zeros
             return lambda: float(value.to(dtype))
         summed = self.loss_start(total / k)
         # the terms are summed in float64; the loss is a number of the model's loss dtype, as

@@ -112,6 +112,8 @@ def _tagged(mode: str, group_cache) -> bool:
 class PipelineModule(RankModule):
     """One rank of a pipelined plan, with ``train_step(*batch)``."""
 
+    loss_rides = False  # only the last stage has the loss: it goes by message (loss_messages)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         prog = self.program

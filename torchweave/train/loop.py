@@ -263,7 +263,8 @@ class Trainer:
 
     def _one_step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, float, bool]:
         """Forward, backward, norm; the update only when both loss and norm are finite."""
-        pending = self.module.backward_async(*batch)  # the loss's sum runs beside the norm's
+        pending = self.module.backward_async(*batch)  # the loss summed (with the gradients,
+        # or by a sum of its own that runs beside the norm's)
         clip = self.cfg.optim.clip_grad_norm
         norm = self.module.clip(clip) if clip is not None else self.module.grad_norm()
         loss = pending()
