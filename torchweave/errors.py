@@ -60,3 +60,8 @@ class RegistryError(TorchweaveError):
 
 class SimError(TorchweaveError):
     """A bad device, cluster or cost-model input (``torchweave.sim``)."""
+
+
+class ModelReleased(TorchweaveError):
+    """A batch of new shapes needs the model given to ``parallelize``, and the caller no
+    longer holds it (``parallelize`` holds it weakly)."""

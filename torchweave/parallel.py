@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from torchweave.api import capture
 from torchweave.codegen.render import write
-from torchweave.errors import Problem, TorchweaveError
+from torchweave.errors import ModelReleased, Problem, TorchweaveError
 from torchweave.graphfile import DTYPES, graph_from_json, graph_to_json
 from torchweave.ir.graph import Graph, param_tensor
 from torchweave.lower.lower import lower
@@ -391,10 +391,6 @@ def startup_collector() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-class ModelReleased(TorchweaveError):
-    """A batch of new shapes needs the model, and the caller no longer holds it."""
 
 
 def _recompiler(model: torch.nn.Module, compiled: Compiled, groups: GroupCache, config: StepConfig,

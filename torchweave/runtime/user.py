@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from torchweave.lower.units import read_paths
-from torchweave.errors import Problem, TorchweaveError
+from torchweave.errors import ModelReleased, Problem, TorchweaveError
 from torchweave.runtime.statedict import StateLayout, full_state, load_full, sharded_state
 
 if TYPE_CHECKING:
@@ -241,8 +241,6 @@ class UserLoop:
         variants = self._variants = self._variants or {
             self.example_shapes: (self.program, self.code)}
         if shapes not in variants:
-            from torchweave.parallel import ModelReleased
-
             try:
                 program, path = self.recompile(batch)
             except ModelReleased:
