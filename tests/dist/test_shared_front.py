@@ -13,20 +13,21 @@ from torchweave.runtime.launch import LaunchConfig, spawn
 
 
 def _one_step(ctx, model, inputs, plan: str, refuse_graph: bool):
+    import torchweave.front as F
     import torchweave.parallel as P
 
     captures = []
-    real = P._capture_once
+    real = F._capture_once
 
     def counted(*args, **kwargs):
         captures.append(1)
         return real(*args, **kwargs)
 
-    P._capture_once = counted
+    F._capture_once = counted
     if refuse_graph and ctx.rank == 0:  # a graph the file format cannot hold: each rank captures
         def refuse(graph):
             raise ValueError("not in the format")
-        P.graph_to_json = refuse
+        F.graph_to_json = refuse
     pm = P.parallelize(copy.deepcopy(model), inputs, plan=plan, groups=ctx.groups)
     loss = pm.train_step(*inputs)
     return len(captures), float(loss)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import built
-from torchweave.parallel import _capture_once, _meta_copy
+from torchweave.front import _capture_once, _meta_copy
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt2-tiny"])

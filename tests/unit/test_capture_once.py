@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import torchweave.parallel as P
+import torchweave.front as P
 from tests.conftest import built
 from torchweave.graphfile import graph_to_json
 from torchweave.policies import resolve

@@ -1,6 +1,6 @@
 """Data from rank 0 to every rank, over the world group: text as UTF-8 bytes in a ``uint8``
 tensor, tensors as themselves. Nothing is pickled, so what arrives is read as data only
-(see :func:`torchweave.parallel.shared_front`)."""
+(see :func:`torchweave.front.shared_front`)."""
 
 from __future__ import annotations
 
