@@ -128,8 +128,11 @@ def _add_sim_commands(sub) -> None:
     sim.set_defaults(run=_lazy("sim", "simulate_cmd"))
     exp = sub.add_parser("explain", help="per op: partition, devices, communication, time and "
                          "memory of a plan; top costs; --vs compares with another plan")
-    exp.add_argument("plan", metavar="PLAN", help="plan.json or a policy name")
-    exp.add_argument("model", metavar="MODEL", help="a bundled name, path/to/file.py:factory, or a saved graph (*.graph.json)")
+    exp.add_argument("model", metavar="MODEL", nargs="+",
+                     help="a bundled name, path/to/file.py:factory, or a saved graph (*.graph.json); "
+                     "the older form PLAN MODEL is read too")
+    exp.add_argument("--plan", dest="plan_option", metavar="PLAN",
+                     help=PLAN_HELP + " (or a plan.json), as simulate, plan and verify take it")
     exp.add_argument("--cluster", required=True, metavar="SPEC", help=cluster_help)
     exp.add_argument("--vs", metavar="PLAN", help="another plan.json or policy name: why not it?")
     exp.add_argument("--world-size", type=int, help="ranks for a policy name (default: cluster size)")

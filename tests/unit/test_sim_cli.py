@@ -60,6 +60,30 @@ def test_explain_tp_rows_communication_and_comparison(capsys) -> None:
     assert "biggest per-op differences" in out
 
 
+def test_explain_takes_the_plan_as_every_other_command_does(capsys) -> None:
+    args = ["--cluster", "4xA100-80GB-SXM", "--no-gantt"]
+    assert main(["explain", "gpt-tiny", "--plan", "tp", *args]) == 0
+    new = capsys.readouterr().out
+    assert main(["explain", "tp", "gpt-tiny", *args]) == 0
+    assert capsys.readouterr().out == new and "plan 'tp'" in new
+    for bad in (["explain", "gpt-tiny", *args], ["explain", "tp", "gpt-tiny", "--plan", "dp", *args]):
+        assert main(bad) == 2
+        out = capsys.readouterr().out
+        assert "MODEL --plan PLAN" in out and "torchweave explain gpt-small --plan" in out, out
+
+
+def test_explain_times_a_pipelines_collectives(capsys) -> None:
+    """A pipelined plan's timeline has stage actions, not collectives: explain times them
+    from the tasks each stage is costed by (it printed "(no communication)" before)."""
+    assert main(["explain", "gpt-tiny", "--plan", "1f1b:tp=2,pp=2", "--cluster",
+                 "4xA100-80GB-SXM", "--no-gantt", "--all"]) == 0
+    out = capsys.readouterr().out
+    top = out.split("collectives by time:")[1]
+    assert "no communication" not in top and "all_reduce linear_3_nobias" in top, top
+    row = next(line for line in out.splitlines() if "all_reduce linear_3_nobias (" in line)
+    assert "(0 ms)" not in row and " us)" in row, row
+
+
 def test_explain_plan_json(tmp_path, capsys) -> None:
     plan = tmp_path / "tp.json"
     assert main(["plan", "gpt-tiny", "--plan", "tp", "--world-size", "2", "--out", str(plan)]) == 0

@@ -16,10 +16,27 @@ from rich.text import Text
 from torchweave.commands.sim import (
     GiB, _capture, _dtype, _mib, _ms, _plan_for, gantt_path, load_cluster, write_gantt,
 )
+from torchweave.errors import Problem, TorchweaveError
 from torchweave.sim.op_table import Explained, explain_plan
 
 
+def plan_and_model(args: argparse.Namespace) -> tuple[str, str]:
+    """``explain MODEL --plan PLAN``, as every other command takes a plan, or the older
+    ``explain PLAN MODEL``."""
+    given = list(args.model)
+    if args.plan_option is not None and len(given) == 1:
+        return args.plan_option, given[0]
+    if args.plan_option is None and len(given) == 2:
+        return given[0], given[1]
+    raise TorchweaveError(Problem(
+        obj="torchweave explain", value=" ".join(given) + (f" --plan {args.plan_option}"
+                                                           if args.plan_option else ""),
+        rule="one model and one plan: MODEL --plan PLAN (or the older PLAN MODEL)",
+        fix="e.g. torchweave explain gpt-small --plan 1f1b:tp=2 --cluster 8xA100-80GB-SXM"))
+
+
 def explain_cmd(args: argparse.Namespace, console: Console) -> int:
+    args.plan, args.model = plan_and_model(args)
     cluster = load_cluster(args.cluster)
     graph = _capture(args.model, args.meta)
     dtype = _dtype(args.dtype)

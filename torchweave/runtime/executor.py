@@ -254,12 +254,13 @@ class RankModule(UserLoop):
     def memory(self) -> int:
         """Bytes of training state this rank holds: parameter pieces and their gradients (the
         summed ones live in the gradient buckets, held between steps), ZeRO's master shard
-        and its gradient, and every optimizer's state (each storage counted once)."""
+        and its gradient (ZeRO-1/2: the gradients waiting for their sum, while backward runs),
+        and every optimizer's state (each storage counted once)."""
         seen: set[int] = set()
         tensors = [t for p in self.params.values() for t in (p, p.grad)]
         tensors += [b.flat for b in self.sync.buckets]  # kept between steps, grads or not
         if self.zero_opt is not None:
-            tensors += [self.zero_opt.master, self.zero_opt.master.grad]
+            tensors += [self.zero_opt.master, self.zero_opt.master.grad, self.zero_opt.pending_grads]
         tensors += [v for opt in self.optimizers() for st in opt.state.values() for v in st.values()]
         total = 0
         for t in tensors:

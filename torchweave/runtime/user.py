@@ -228,7 +228,7 @@ class UserLoop:
         for p in self.params.values():
             p.grad = None
         if self.zero_opt is not None:
-            self.zero_opt.master.grad = None
+            self.zero_opt.drop_grads()
         self._synced, self._set_aside, self._unsynced = False, None, False
 
     # ------------------------------------------------------------ checks

@@ -28,10 +28,17 @@ fp64), the pieces *are* views of that buffer and the master shard is this member
 of it: the optimizer updates the member's elements of the pieces in place, and the
 all-gather after the step writes the others straight into them. No second copy of the
 member's shard is kept, and no gathered buffer is copied into the pieces.
+
+Their gradients are held once: as backward finishes each piece's gradient (a hook after
+autograd accumulates it), it is moved into its place in one flat buffer laid out as the
+unit, whose rows are then the sum's input, and the piece's ``.grad`` is dropped. Before,
+every piece's gradient stayed until the end of backward and was copied into a new flat
+buffer, and that again into the rows: three whole-model gradients at the peak.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -95,6 +102,8 @@ class _Units:
     def to_rows(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Pieces → ``[group, C]`` (row k is member k's shard of every unit)."""
         dev = tensors[0].device if tensors else self.device
+        if len(self.units) == 1:  # one unit's flat buffer is the rows already: no second copy
+            return self.flat(0, tensors, device=dev).view(self.size, self.total)
         rows = torch.empty(self.size, self.total, dtype=self.dtype, device=dev)
         for u, idx in enumerate(self.units):
             s, c = self.starts[u], self.cols[u]
@@ -157,6 +166,16 @@ class ZeroOptimizer:
         self.inner = factory([self.master])
         self.dtypes = [p.dtype for p in self.owned]
         self._segments = self.layout.segments(self.index)
+        self._grads: torch.Tensor | None = None
+        """Stages 1–2: this step's gradients of the owned pieces, laid out as the unit's flat
+        buffer (so its rows are the reduce's input); made at the step's first gradient,
+        released once summed."""
+        self._filled: set[int] = set()
+        """Owned pieces whose gradient is in ``_grads`` this step."""
+        if stage < 3 and self.owned:
+            for i, p in enumerate(self.owned):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(functools.partial(self._take_grad, i))
         self.stage3 = None
         if stage == 3:
             from torchweave.runtime.zero3 import Stage3
@@ -185,12 +204,62 @@ class ZeroOptimizer:
             self.stage3.end_forward()
 
     # ------------------------------------------------------------ gradients and step
+    def _take_grad(self, i: int, p: torch.Tensor) -> None:
+        """Stages 1–2: move piece ``i``'s gradient into its place in ``_grads`` (added to what an
+        earlier backward of this step put there), and drop it from the piece, so the full
+        gradients are held once, not as every piece's ``.grad`` and again as the reduce's
+        input. A hook after each gradient's accumulation (the autograd engine's), and
+        :meth:`finish_grads` for gradients set by hand (zero-bubble's weight passes)."""
+        g = p.grad
+        if g is None:
+            return
+        if self._grads is None:  # not zeroed: a piece with no gradient is zeroed at the end
+            self._grads = torch.empty(self.layout.cols[0] * self.size, dtype=self.layout.dtype,
+                                      device=g.device)
+        o, n = self.layout.offsets[i], self.layout.numels[i]
+        dst = self._grads[o:o + n].view(self.layout.shapes[i])
+        if i in self._filled:
+            dst.add_(g)
+        else:
+            dst.copy_(g)
+            self._filled.add(i)
+        p.grad = None
+
+    @property
+    def pending_grads(self) -> torch.Tensor | None:
+        """Stages 1–2: this step's gradients not yet summed (None between steps)."""
+        return self._grads
+
+    def drop_grads(self) -> None:
+        """Forget this step's gradients (the master shard's too)."""
+        self._grads, self._filled = None, set()
+        self.master.grad = None
+
+    def _grad_rows(self) -> torch.Tensor:
+        """Stages 1–2: this step's gradients as ``[group, C]``, from ``_grads``."""
+        for i, p in enumerate(self.owned):
+            self._take_grad(i, p)
+        if self._grads is None:
+            self._grads = torch.empty(self.layout.cols[0] * self.size, dtype=self.layout.dtype,
+                                      device=self.master.device)
+        for i in range(len(self.owned)):
+            if i not in self._filled:
+                o = self.layout.offsets[i]
+                self._grads[o:o + self.layout.numels[i]].zero_()
+        last = len(self.owned) - 1
+        self._grads[self.layout.offsets[last] + self.layout.numels[last]:].zero_()  # padding
+        rows = self._grads.view(self.size, self.layout.total)
+        self._grads, self._filled = None, set()
+        return rows
+
     def finish_grads(self) -> None:
         if self.stage3 is not None:
             self.stage3.finish_grads()  # waits for the reduce-scatters backward started
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.owned]
-        rows = self.layout.to_rows(grads)
+        if self.owned:
+            rows = self._grad_rows()
+        else:
+            rows = self.layout.to_rows([])
         nbytes = rows.numel() * rows.element_size()
         if self.stage == 1:
             self.group_cache.counter.record(CommKind.ALL_REDUCE, Direction.BACKWARD, self.group, nbytes)

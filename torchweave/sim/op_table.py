@@ -20,6 +20,7 @@ from torchweave.lower.buckets import BUCKET_BYTES
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.simulate import simulate
 from torchweave.sim.step.build import Builder
+from torchweave.sim.step.engine import COMM
 
 
 @dataclass
@@ -69,12 +70,15 @@ def explain_plan(graph: Graph, plan: Plan, cluster: Cluster, *, dtype: torch.dty
     programs, _ = lower_programs(graph, plan, None)
     result = simulate(graph, plan, cluster, dtype=dtype, grad_accum=grad_accum)
     model = ComputeModel.for_device(cluster.device)
-    costs = Builder(graph, plan, cluster, dtype, model, BUCKET_BYTES).costs
+    builder = Builder(graph, plan, cluster, dtype, model, BUCKET_BYTES)
+    costs = builder.costs
     # Collective time per event name: sum on each rank, max over ranks.
     per_rank: dict[tuple[int, str], float] = defaultdict(float)
     for e in result.timeline:
         if e.stream == "comm":
             per_rank[(e.rank, e.name)] += e.end - e.start
+    if plan.pipeline is not None:  # its timeline has stage actions, not their collectives
+        per_rank = _pipeline_collectives(programs, plan, builder)
     coll: dict[str, float] = {}
     for (_, name), t in per_rank.items():
         coll[name] = max(coll.get(name, 0.0), t)
@@ -104,6 +108,26 @@ def explain_plan(graph: Graph, plan: Plan, cluster: Cluster, *, dtype: torch.dty
             time=cost.fwd + cost.bwd, memory=sum(cost.out_bytes),
             stage=plan.pipeline.stage_of.get(node.name) if plan.pipeline else None))
     return Explained(result, rows, coll)
+
+
+def _pipeline_collectives(programs: list, plan: Plan, builder: Builder) -> dict[tuple[int, str], float]:
+    """A pipelined plan's collectives, per rank and name, from the tasks its simulation costs
+    each stage by (:mod:`torchweave.sim.step.pipelined`): one rank of each set of stages
+    (the ranks of a stage's group run the same collectives), the step's micro-batches
+    together."""
+    assert plan.pipeline is not None
+    seen: set[int | None] = set()
+    out: dict[tuple[int, str], float] = defaultdict(float)
+    for prog in programs:
+        held = plan.pipeline.rank_of_device(prog.rank)  # the same stages: the same collectives
+        if held in seen:
+            continue
+        seen.add(held)
+        tasks, _ = builder.tasks(prog)
+        for t in tasks:
+            if t.kind == COMM and not t.crossing:
+                out[(prog.rank, t.name)] += t.dur
+    return out
 
 
 def _folded_values(graph: Graph, plan: Plan, result: SimResult) -> dict[str, str]:
