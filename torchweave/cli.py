@@ -190,6 +190,9 @@ def plain_console() -> Console:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "plan_option", "") is None:  # explain's older PLAN MODEL, with
+        words = next((i for i, w in enumerate(extra) if w.startswith("-")), len(extra))  # an
+        args.model, extra = args.model + extra[:words], extra[words:]  # option between the two
     if extra and not getattr(args, "overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra

@@ -66,6 +66,11 @@ def test_explain_takes_the_plan_as_every_other_command_does(capsys) -> None:
     new = capsys.readouterr().out
     assert main(["explain", "tp", "gpt-tiny", *args]) == 0
     assert capsys.readouterr().out == new and "plan 'tp'" in new
+    assert main(["explain", "tp", "--cluster", "4xA100-80GB-SXM", "gpt-tiny", "--no-gantt"]) == 0
+    assert capsys.readouterr().out == new  # the older form with an option between its two
+    with pytest.raises(SystemExit):
+        main(["explain", "tp", "--cluster", "4xA100-80GB-SXM", "gpt-tiny", "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
     for bad in (["explain", "gpt-tiny", *args], ["explain", "tp", "gpt-tiny", "--plan", "dp", *args]):
         assert main(bad) == 2
         out = capsys.readouterr().out

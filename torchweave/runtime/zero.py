@@ -33,13 +33,19 @@ Their gradients are held once: as backward finishes each piece's gradient (a hoo
 autograd accumulates it), it is moved into its place in one flat buffer laid out as the
 unit, whose rows are then the sum's input, and the piece's ``.grad`` is dropped. Before,
 every piece's gradient stayed until the end of backward and was copied into a new flat
-buffer, and that again into the rows: three whole-model gradients at the peak.
+buffer, and that again into the rows: three whole-model gradients at the peak. The
+buffer is made at the step's first gradient, while most activations are still held, so
+the step's peak is the activations plus one whole gradient; before, without
+accumulation, it was the larger of the activations and three whole gradients (with
+accumulation, the gradients were held from the first micro-batch anyway). A step whose
+activations exceed twice its gradients now peaks higher, by at most one gradient.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -173,9 +179,16 @@ class ZeroOptimizer:
         self._filled: set[int] = set()
         """Owned pieces whose gradient is in ``_grads`` this step."""
         if stage < 3 and self.owned:
+            me = weakref.ref(self)  # the pieces' hooks must not keep this optimizer alive
+
+            def take(i: int, p: torch.Tensor) -> None:
+                opt = me()
+                if opt is not None:
+                    opt._take_grad(i, p)
+
             for i, p in enumerate(self.owned):
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(functools.partial(self._take_grad, i))
+                    p.register_post_accumulate_grad_hook(functools.partial(take, i))
         self.stage3 = None
         if stage == 3:
             from torchweave.runtime.zero3 import Stage3
@@ -214,8 +227,7 @@ class ZeroOptimizer:
         if g is None:
             return
         if self._grads is None:  # not zeroed: a piece with no gradient is zeroed at the end
-            self._grads = torch.empty(self.layout.cols[0] * self.size, dtype=self.layout.dtype,
-                                      device=g.device)
+            self._grads = self._empty_grads(g.device)
         o, n = self.layout.offsets[i], self.layout.numels[i]
         dst = self._grads[o:o + n].view(self.layout.shapes[i])
         if i in self._filled:
@@ -230,6 +242,10 @@ class ZeroOptimizer:
         """Stages 1–2: this step's gradients not yet summed (None between steps)."""
         return self._grads
 
+    def _empty_grads(self, device: torch.device) -> torch.Tensor:
+        """The flat gradient buffer, uninitialised (what no gradient fills is zeroed at the end)."""
+        return torch.empty(self.layout.cols[0] * self.size, dtype=self.layout.dtype, device=device)
+
     def drop_grads(self) -> None:
         """Forget this step's gradients (the master shard's too)."""
         self._grads, self._filled = None, set()
@@ -240,8 +256,7 @@ class ZeroOptimizer:
         for i, p in enumerate(self.owned):
             self._take_grad(i, p)
         if self._grads is None:
-            self._grads = torch.empty(self.layout.cols[0] * self.size, dtype=self.layout.dtype,
-                                      device=self.master.device)
+            self._grads = self._empty_grads(self.master.device)
         for i in range(len(self.owned)):
             if i not in self._filled:
                 o = self.layout.offsets[i]
@@ -269,8 +284,6 @@ class ZeroOptimizer:
             self.group_cache.counter.record(CommKind.REDUCE_SCATTER, Direction.BACKWARD, self.group, nbytes)
             mine = torch.empty(self.layout.total, dtype=rows.dtype, device=rows.device)
             reduce_scatter_single(mine, rows.reshape(-1).contiguous(), group=self.pg)
-        for p in self.owned:
-            p.grad = None
         if self.master.grad is None:
             self.master.grad = mine
         else:  # a second backward before the step (the user's own loop) adds to the first

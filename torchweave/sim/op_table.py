@@ -67,10 +67,13 @@ def explain_plan(graph: Graph, plan: Plan, cluster: Cluster, *, dtype: torch.dty
             fix=f"use a cluster of at least {plan.world_size} devices, or a plan for {cluster.size}"))
     # One data-parallel replica lowered for all when the plan allows (sim/fast/symmetry.py);
     # the communication each node gets is the same on every replica.
-    programs, _ = lower_programs(graph, plan, None)
+    programs, rep = lower_programs(graph, plan, None)
     result = simulate(graph, plan, cluster, dtype=dtype, grad_accum=grad_accum)
     model = ComputeModel.for_device(cluster.device)
-    builder = Builder(graph, plan, cluster, dtype, model, BUCKET_BYTES)
+    # lifted programs (one replica for all) are sized as simulate sizes them: by the reduced
+    # plan's members (``meet``)
+    builder = Builder(graph, plan, cluster, dtype, model, BUCKET_BYTES,
+                      meet=frozenset(range(rep.size)) if rep else None)
     costs = builder.costs
     # Collective time per event name: sum on each rank, max over ranks.
     per_rank: dict[tuple[int, str], float] = defaultdict(float)
