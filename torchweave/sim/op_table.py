@@ -67,21 +67,19 @@ def explain_plan(graph: Graph, plan: Plan, cluster: Cluster, *, dtype: torch.dty
             fix=f"use a cluster of at least {plan.world_size} devices, or a plan for {cluster.size}"))
     # One data-parallel replica lowered for all when the plan allows (sim/fast/symmetry.py);
     # the communication each node gets is the same on every replica.
-    programs, rep = lower_programs(graph, plan, None)
+    programs, _ = lower_programs(graph, plan, None)  # a pipeline's are never lifted (pp outermost)
     result = simulate(graph, plan, cluster, dtype=dtype, grad_accum=grad_accum)
     model = ComputeModel.for_device(cluster.device)
-    # lifted programs (one replica for all) are sized as simulate sizes them: by the reduced
-    # plan's members (``meet``)
-    builder = Builder(graph, plan, cluster, dtype, model, BUCKET_BYTES,
-                      meet=frozenset(range(rep.size)) if rep else None)
+    builder = Builder(graph, plan, cluster, dtype, model, BUCKET_BYTES)
     costs = builder.costs
     # Collective time per event name: sum on each rank, max over ranks.
-    per_rank: dict[tuple[int, str], float] = defaultdict(float)
-    for e in result.timeline:
-        if e.stream == "comm":
-            per_rank[(e.rank, e.name)] += e.end - e.start
     if plan.pipeline is not None:  # its timeline has stage actions, not their collectives
         per_rank = _pipeline_collectives(programs, plan, builder)
+    else:
+        per_rank = defaultdict(float)
+        for e in result.timeline:
+            if e.stream == "comm":
+                per_rank[(e.rank, e.name)] += e.end - e.start
     coll: dict[str, float] = {}
     for (_, name), t in per_rank.items():
         coll[name] = max(coll.get(name, 0.0), t)
