@@ -12,7 +12,8 @@ what 4 blocks leave. A point then costs, per micro-batch of ``1/(dp·micro)`` of
 the batch, by arithmetic:
 
 - **compute** (with tensor-parallel collectives): blocks per stage × one block,
-  plus the rest, scaled by the micro-batch's share of the batch;
+  plus the rest, scaled by the micro-batch's share of the batch, but for the
+  collectives' latency, which each micro-batch pays whole (:meth:`Proxy.block_at`);
 - **bubble**: the schedule's fill and drain, ``(pp − 1)`` stage times for GPipe and
   1F1B, ``(pp − 1)/virtual`` for interleaved, a third of 1F1B's for ZB-H1;
 - **gradient sum** over ``dp`` (with expert parallelism, the experts' over ``dp`` and the
@@ -113,8 +114,24 @@ class Proxy:
     plan runs on the first stage (``stage_cuts.send_lookups``)."""
     per_block: tuple = ()
     """What one more block adds to the simulated cut-down model: (step seconds, the busiest
-    rank's communication seconds, the peak rank's parameter bytes and activation bytes);
-    a co-sharded sibling reuses it (:func:`proxy`'s ``like``)."""
+    rank's communication seconds, the peak rank's parameter bytes and activation bytes,
+    that rank's communication latency); a co-sharded sibling reuses it (:func:`proxy`'s
+    ``like``)."""
+    block_lat: float = 0.0
+    rest_lat: float = 0.0
+    """Of ``block_comm`` and ``rest_comm``, what does not shrink with the batch: each
+    collective's latency (the simulator's ``SimResult.comm_latency``). A micro-batch runs
+    every collective of its pass once, over its share of the bytes
+    (:meth:`block_at`)."""
+
+    def block_at(self, f: float) -> float:
+        """One block's seconds on ``f`` of the batch: its collectives' latency whole, the
+        rest scaled."""
+        return self.block_lat + f * (self.block_s - self.block_lat)
+
+    def rest_at(self, f: float) -> float:
+        """:meth:`block_at` of the rest of the model."""
+        return self.rest_lat + f * (self.rest_s - self.rest_lat)
 
 
 @dataclass(frozen=True)
@@ -162,11 +179,14 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
         g, p = cut_stacks(graph, plan, blocks, k)
         r = simulate(g, p, small, dtype=dtype, fold=False, timeline=False)
         peak = max(r.memory, key=lambda m: m.peak)
-        measured.append((r.step_time, max(r.comm_time, default=0.0), peak.params, peak.activations))
+        busiest = max(range(len(r.comm_time)), key=r.comm_time.__getitem__, default=None)
+        measured.append((r.step_time, r.comm_time[busiest] if busiest is not None else 0.0,
+                         peak.params, peak.activations,
+                         r.comm_latency[busiest] if busiest is not None else 0.0))
     _, p4 = cut_stacks(graph, plan, blocks, 4) if derive else (g, p)
     x3 = measured[0]
     x4 = tuple(a + d for a, d in zip(x3, like.per_block)) if derive else measured[1]
-    (step3, comm3, params3, act3), (step4, comm4, params4, act4) = x3, x4
+    (step3, comm3, params3, act3, lat3), (step4, comm4, params4, act4, lat4) = x3, x4
     model = ComputeModel.for_device(cluster.device)
     bw = cluster.device.memory_bandwidth * model.bandwidth
     each = model_state_memory(1, precision=precision).params  # bytes a parameter holds
@@ -178,13 +198,16 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
     rest = max(0.0, step4 - 4 * (step4 - step3) - 28 * pr / bw)
     block_comm = min(block, max(0.0, comm4 - comm3))
     rest_comm = min(rest, max(0.0, comm4 - 4 * (comm4 - comm3)))
+    block_lat = min(block_comm, max(0.0, lat4 - lat3))
+    rest_lat = min(rest_comm, max(0.0, lat4 - 4 * (lat4 - lat3)))
     end = blocks.spans[1][1] - 1
     out = graph.nodes[end].outputs[0]
     boundary = graph.values[out].meta.nbytes
     return Proxy(block, rest, act4 - act3, max(0, act4 - 4 * (act4 - act3)), pb, pr,
                  boundary, p4, ep, min(pb, _expert_elements(graph, blocks, tp * ep)) if ep > 1 else 0,
                  block_comm, rest_comm, read_shares(graph, plan), *_tied(graph, blocks, plan),
-                 per_block=tuple(b - a for a, b in zip(x3, x4)))
+                 per_block=tuple(b - a for a, b in zip(x3, x4)), block_lat=block_lat,
+                 rest_lat=rest_lat)
 
 
 def _tied(graph: Graph, blocks: Blocks, plan: Plan) -> tuple[int, bool, int]:
@@ -293,9 +316,9 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         raise ValueError(f"{pt.spec}: not priced by the estimate (see estimable)")
     f = 1.0 / (pt.dp * pt.micro)
     per_rank_blocks = n_blocks / pt.pp
-    stage = (per_rank_blocks / pt.virtual) * px.block_s * f
-    rest = px.rest_s * f
-    work = pt.micro * (per_rank_blocks * px.block_s * f) + pt.micro * rest
+    stage = (per_rank_blocks / pt.virtual) * px.block_at(f)
+    rest = px.rest_at(f)
+    work = pt.micro * (per_rank_blocks * px.block_at(f)) + pt.micro * rest
     if pt.pp == 1:
         bubble = 0.0
     elif pt.schedule == "interleaved":

@@ -273,6 +273,13 @@ class Timing:
                     block_f, block_b = block_f * scale, (block_b + block_f) * scale
                 fwd[:, k] = (block_f * whole + rest_f * px.rest_s) * f
                 bwd[:, k] = (block_b * whole + rest_b * px.rest_s) * f
+                # a micro-batch runs each collective of its stage once: their latency is
+                # paid whole, not scaled with the micro-batch (Proxy.block_at), half of it
+                # in forward and half in backward, as _with_comm shares the seconds
+                lat = 0.5 * (1 - f) * ((block_f + block_b) * n_blocks * px.block_lat
+                                       + (rest_f + rest_b) * px.rest_lat)
+                fwd[:, k] += lat
+                bwd[:, k] += lat
                 lat, per_byte = self._link(pt.tp * pt.dp * pt.ep)
                 # bytes a stage's rank receives, as the simulator sizes them: of each value,
                 # what one reader's piece reads under the split (a sequence-split residual,

@@ -105,6 +105,9 @@ class SimResult:
     folded_blocks: int | None = None
     """The folding fast path: this many identical blocks, their tasks copied from 4
     lowered (None: every block lowered)."""
+    comm_latency: tuple[float, ...] = ()
+    """Of each rank's ``comm_time``, the collectives' latency: what they would cost moving
+    almost no bytes (empty where not counted: pipelined plans and the folding fast path)."""
 
     @property
     def bubble(self) -> float:

@@ -125,6 +125,7 @@ def backward(self: StepContext, state: RankForward) -> list[Task]:
             out[-1].stage, out[-1].crossing, out[-1].block = stage, crossing, block
             if stage is not None:
                 out[-1].dur *= self.per_micro(ins)
+                out[-1].latency *= self.per_micro(ins)
             reached(ins.src, idx, block)
     return out
 
@@ -244,9 +245,11 @@ def _regather(self: StepContext, state: RankForward, v: str, waits: tuple, r: in
     gathered copies are alive at most: the forward counts them among the temporaries)."""
     step, size = state.regather[v]
     grp = mine(step.groups, r)
+    k = self.repeats(stage, v)  # in a pipeline, once a micro-batch (StepContext.times)
     return Task(COMM, f"all_gather {v} again", waits, (regathered(v),),
-                self.comm(Collective.ALL_GATHER, size, grp),
-                Rendezvous(Meet.REGATHER, v, grp), self.meet_of(grp), stage, block=block)
+                k * self.comm(Collective.ALL_GATHER, size / k, grp),
+                Rendezvous(Meet.REGATHER, v, grp), self.meet_of(grp), stage, block=block,
+                latency=k * self.comm(Collective.ALL_GATHER, 1, grp))
 
 
 def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:
@@ -256,12 +259,14 @@ def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:
     if ins.value not in self.grads or isinstance(step, steps.Narrow):  # no gradient to move
         return Task(LOCAL, name, waits, sets)
     if isinstance(step, steps.P2P):
-        return Task(COMM, name, waits, sets, self.p2p(step.grad_back, r, ins.value))
+        return Task(COMM, name, waits, sets, self.p2p(step.grad_back, r, ins.value, self.times(ins)),
+                    latency=self.p2p_latency(ins, step.grad_back, r))
     coll = step.backward_collective()
     if coll is None:
         return Task(LOCAL, name, waits, sets)
     grp = mine(step.groups, r)
     size = step.backward_bytes(nbytes.get(ins.src, 0.0), nbytes.get(ins.dst, 0.0))
     coll = Collective(coll)
-    return Task(COMM, name, waits, sets, self.comm(coll, size, grp),
-                Rendezvous(Meet.BACKWARD, ins.dst, grp), self.meet_of(grp))
+    return Task(COMM, name, waits, sets, self.comm_of(ins, coll, size, grp),
+                Rendezvous(Meet.BACKWARD, ins.dst, grp), self.meet_of(grp),
+                latency=self.latency(ins, coll, size, grp))

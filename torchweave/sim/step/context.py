@@ -138,13 +138,57 @@ class StepContext:
         """The members of ``grp`` a collective waits for in the engine."""
         return grp if self.meet is None else tuple(m for m in grp if m in self.meet)
 
-    def p2p(self, transfers, r: int, value: str) -> float:
+    def p2p(self, transfers, r: int, value: str, times: int = 1) -> float:
+        """Seconds of ``r``'s share of ``transfers`` of ``value``, run ``times`` times over a
+        ``1/times`` share of the bytes each (:meth:`times`)."""
         t = 0.0
         for tr in transfers:
             if r in (tr.src, tr.dst) and tr.src != tr.dst:
                 n = math.prod(hi - lo for lo, hi in tr.src_box) * self.itemsize(value)
-                t += self.comm(Collective.P2P, n, (tr.src, tr.dst))
+                t += times * self.comm(Collective.P2P, n / times, (tr.src, tr.dst))
         return t
+
+    def comm_of(self, ins, collective: Collective, nbytes: float, group: tuple[int, ...]) -> float:
+        """Seconds a step spends on ``ins``'s collective over ``nbytes`` (the whole batch's):
+        :meth:`times` collectives of a share of the bytes each."""
+        k = self.times(ins)
+        return k * self.comm(collective, nbytes / k, group) if k > 1 else \
+            self.comm(collective, nbytes, group)
+
+    def latency(self, ins, collective: Collective, nbytes: float, group: tuple[int, ...]) -> float:
+        """Of :meth:`comm_of`, what does not shrink with the batch: each collective's latency
+        (its cost for one byte) where ``ins`` moves a value the batch splits; the whole
+        collective where it moves a batch-free one (:attr:`Task.latency`)."""
+        if ins.value not in self.batched:
+            return self.comm(collective, nbytes, group)
+        return self.times(ins) * self.comm(collective, 1, group)
+
+    def p2p_latency(self, ins, transfers, r: int) -> float:
+        """:meth:`latency` of ``r``'s share of point-to-point ``transfers``."""
+        if ins.value not in self.batched:
+            return self.p2p(transfers, r, ins.value)
+        return self.times(ins) * sum(self.comm(Collective.P2P, 1, (tr.src, tr.dst)) for tr in transfers
+                                     if r in (tr.src, tr.dst) and tr.src != tr.dst)
+
+    def times(self, ins) -> int:
+        """How many collectives a step runs for ``ins``, each over a ``1/times`` share of the
+        bytes the whole batch's program moves: a pipelined plan lowers for the whole batch,
+        but a stage's program runs once a micro-batch (``runtime/schedule_runner.py``), so a
+        collective of a value the batch splits runs ``m`` times over a micro-batch's bytes
+        and pays its latency each time. 1 outside a stage, between stages (the schedule
+        costs a transfer each micro-batch) and for batch-free values (moved whole each
+        micro-batch: :meth:`per_micro` counts those)."""
+        if not isinstance(ins, Comm) or self.plan.pipeline is None:
+            return 1
+        stage, crossing = self.stage(ins)
+        return 1 if crossing else self.repeats(stage, ins.value)
+
+    def repeats(self, stage: int | None, value: str) -> int:
+        """:meth:`times` of a collective of ``value`` in ``stage`` (None: no stage)."""
+        pipe = self.plan.pipeline
+        if pipe is None or stage is None or value not in self.batched:
+            return 1
+        return self.micro or pipe.micro_batches
 
     # ---------------------------------------------------------------- where a task belongs
     def stage(self, ins) -> tuple[int | None, bool]:

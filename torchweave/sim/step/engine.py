@@ -57,6 +57,12 @@ class Task:
     closes: bool | None = None
     """A :data:`~Kind.REACH` marker of a ZeRO-3 unit's parameter: whether it completes the
     unit (its gradients then sum together); None: not in a unit."""
+    latency: float = 0.0
+    """Of the ``dur`` of a collective that moves a value (an activation or its gradient),
+    what does not shrink with the batch: its latency, once per collective it stands for,
+    or all of it for a batch-free value (:meth:`StepContext.latency`). 0 for gradient
+    sums and parameter gathers. Read by the search, which scales the rest with the
+    micro-batch (:class:`~torchweave.search.estimate.Proxy`), not by the engine."""
 
 
 @dataclass
@@ -66,6 +72,8 @@ class RankRun:
     end: float = 0.0
     compute_busy: float = 0.0
     comm_busy: float = 0.0
+    comm_latency: float = 0.0
+    """Of ``comm_busy``, the collectives' latency (:attr:`Task.latency`)."""
 
 
 def run(tasks: dict[int, list[Task]], *, record: bool = True,
@@ -97,6 +105,7 @@ def run(tasks: dict[int, list[Task]], *, record: bool = True,
                 run_.compute_busy += end - start
             else:
                 run_.comm_busy += end - start
+                run_.comm_latency += task.latency
             run_.end = max(run_.end, end)
             if record and end > start:
                 events.append(Event(r, str(task.kind), task.name, start, end))

@@ -202,6 +202,7 @@ def _tag(ctx: StepContext, tasks: list[Task], mark: int, ins, r: int, nbytes,
         t.stage, t.crossing, t.block = stage, crossing, block
         if stage is not None:
             t.dur *= m
+            t.latency *= m
 
 
 def _storages(ctx: StepContext, ins: Compute, refs: list[str], root: dict[str, str],
@@ -239,7 +240,8 @@ def _comm(ctx: StepContext, ins: Comm, r: int, nbytes: dict[str, float]) -> Task
         nbytes[ins.dst] = math.prod(shape) * ctx.itemsize(ins.value) if shape is not None else b
         if ctx.resized:
             nbytes[ins.dst] = ctx.need_bytes(ins.consumer, ins.value, nbytes[ins.dst])
-        return Task(COMM, name, waits, sets, ctx.p2p(step.transfers, r, ins.value))
+        return Task(COMM, name, waits, sets, ctx.p2p(step.transfers, r, ins.value, ctx.times(ins)),
+                    latency=ctx.p2p_latency(ins, step.transfers, r))
     grp = mine(step.groups, r)
     out = nbytes[ins.dst] = step.out_bytes(b, len(grp))
     coll = step.forward_collective()
@@ -247,8 +249,9 @@ def _comm(ctx: StepContext, ins: Comm, r: int, nbytes: dict[str, float]) -> Task
         return Task(LOCAL, name, waits, sets)
     size = step.forward_bytes(b, out)
     coll = Collective(coll)
-    return Task(COMM, name, waits, sets, ctx.comm(coll, size, grp),
-                Rendezvous(Meet.FORWARD, ins.dst, grp), ctx.meet_of(grp))
+    return Task(COMM, name, waits, sets, ctx.comm_of(ins, coll, size, grp),
+                Rendezvous(Meet.FORWARD, ins.dst, grp), ctx.meet_of(grp),
+                latency=ctx.latency(ins, coll, size, grp))
 
 
 __all__ = ["forward"]

@@ -66,6 +66,7 @@ def run_step(graph: Graph, plan: Plan, cluster: Cluster, tasks, feet, programs, 
     return assemble(
         plan, cluster, step=step, compute=tuple(runs[r].compute_busy for r in ranks),
         comm=tuple(runs[r].comm_busy for r in ranks), memory=tuple(memory),
+        comm_latency=tuple(runs[r].comm_latency for r in ranks),
         flops=grad_accum * flops,
         tokens=tokens_per_step if tokens_per_step is not None else grad_accum * tokens_of(graph),
         dtype=dtype, model=model, strict=strict, events=events, notes=notes, replicas=rep,
@@ -156,7 +157,7 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
              dtype: torch.dtype | None, model: ComputeModel, strict: bool,
              events: list[Event], notes: tuple[str, ...] = (),
              bubble: float | None = None, replicas: Replicas | None = None,
-             folded_blocks: int | None = None) -> SimResult:
+             folded_blocks: int | None = None, comm_latency: tuple[float, ...] = ()) -> SimResult:
     """The :class:`SimResult` of per-rank busy times and memory: OOM, MFU, throughput, $."""
     tops: dict[int, tuple] = {}  # ranks that share a MemoryUse (a fast path's) share its ranking
     oom = tuple(
@@ -183,7 +184,7 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
         mfu=flops / (step * cluster.size * peak) if step else 0.0,
         tokens_per_step=tokens, tokens_per_s=tps, usd_per_million_tokens=usd, oom=oom,
         timeline=events, notes=notes, pipeline_bubble=bubble, replicas=replicas,
-        folded_blocks=folded_blocks)
+        folded_blocks=folded_blocks, comm_latency=comm_latency)
 
 
 def zero_group(plan: Plan, prog: Program, rank: int) -> int:
