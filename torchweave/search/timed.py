@@ -34,7 +34,7 @@ from torchweave.ir.graph import Graph
 from torchweave.lower.buckets import BUCKET_BYTES
 from torchweave.ops import info
 from torchweave.plan.schedules.builtin import builtin
-from torchweave.search.makespan import compile_schedule, exposed_sums, makespans
+from torchweave.search.makespan import Compiled, compile_schedule, exposed_sums, makespans
 from torchweave.sim.fast.fold import Blocks
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
