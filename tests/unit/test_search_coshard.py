@@ -73,7 +73,8 @@ def test_a_co_sharded_proxy_built_from_its_sibling_equals_one_simulated_whole(tp
     made = proxy(g, blocks, cluster, tp, sp, recompute, coshard=4, like=sib, **kw)
     assert whole.rest_act != sib.rest_act  # the head in chunks keeps less: a real difference
     for f in ("block_s", "rest_s", "block_act", "rest_act", "block_params", "rest_params",
-              "block_comm", "rest_comm", "boundary_bytes", "reads", "tied", "tied_copied"):
+              "block_comm", "rest_comm", "block_lat", "rest_lat", "boundary_bytes", "reads", "tied",
+              "tied_copied"):
         a, b = getattr(whole, f), getattr(made, f)
         assert a == pytest.approx(b, rel=1e-9, abs=1e-15), f
     assert made.plan.notes.get("coshard") == whole.plan.notes.get("coshard")

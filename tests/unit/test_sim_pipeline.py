@@ -278,27 +278,43 @@ def test_zero_keeps_a_tied_weights_copies_whole_in_the_memory_model() -> None:
             assert mem.grads == math.ceil(model_state_memory(sum(own) - copy).grads / dp) + whole.grads
 
 
-def test_a_stages_collectives_run_once_a_micro_batch() -> None:
+@pytest.mark.parametrize("split", ["", ",split=sequence"])
+def test_a_stages_collectives_run_once_a_micro_batch(split: str) -> None:
     """A pipelined plan is lowered for the whole batch, but a stage's program runs once a
     micro-batch, so each tensor-parallel collective inside a stage runs ``micro`` times over
     a micro-batch's bytes and pays its latency each time: a rank's communication seconds are
     ``micro · L + B / bandwidth``, affine in the micro count with the slope ``L``, the
     latency of the rank's collectives. (They were one collective over the whole batch, the
-    same seconds at every micro count.)"""
+    same seconds at every micro count.) Under sequence parallelism that includes the
+    gathers run again in backward (``runtime/regather.py``)."""
     from tests.conftest import captured
     from torchweave.policies.spec import PlanSpec
     from torchweave.sim import parse_cluster, simulate
 
     g = captured("gpt-tiny")
     cluster = parse_cluster("4xA100-80GB-SXM")
-    comm = {m: simulate(g, PlanSpec.parse(f"1f1b:tp=2,pp=2,micro={m}").build(g, 4), cluster,
-                        timeline=False).comm_time for m in (2, 4, 8)}
+    comm = {m: simulate(g, PlanSpec.parse(f"1f1b:tp=2,pp=2,micro={m}{split}").build(g, 4),
+                        cluster, timeline=False).comm_time for m in (2, 4, 8)}
     for r in range(4):
         slope = (comm[4][r] - comm[2][r]) / 2
         assert slope > 0
         assert comm[8][r] - comm[4][r] == pytest.approx(4 * slope, rel=1e-6)
-    # without tensor parallelism inside the stages, nothing but the transfers the schedule
-    # costs moves: no collective of a stage to repeat
+    if split:  # each gather run again in backward costs what its forward gather costs
+        from torchweave.lower.lower import lower
+        from torchweave.sim.hardware.compute import ComputeModel
+        from torchweave.sim.step.build import Builder
+
+        plan = PlanSpec.parse(f"1f1b:tp=2,pp=2,micro=4{split}").build(g, 4)
+        tasks, _ = Builder(g, plan, cluster, None, ComputeModel(), 25 << 20).tasks(lower(g, plan)[0])
+        fwd = {t.name: t for t in tasks}
+        again = [t for t in tasks if t.name.endswith(" again")]
+        assert again
+        for t in again:
+            gather = fwd[t.name.split("_all_gather")[0]]
+            assert (t.dur, t.latency) == pytest.approx((gather.dur, gather.latency))
+            assert t.latency > 3 * t.dur / 4  # four latencies: tiny gathers
+    # without tensor parallelism inside the stages only the transfers between stages move,
+    # which the schedule costs a micro-batch at a time: none is repeated here
     flat = {m: simulate(g, PlanSpec.parse(f"1f1b:pp=4,micro={m}").build(g, 4), cluster,
                         timeline=False).comm_time for m in (2, 4)}
     assert flat[2] == flat[4]

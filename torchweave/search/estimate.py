@@ -118,11 +118,11 @@ class Proxy:
     that rank's communication latency); a co-sharded sibling reuses it (:func:`proxy`'s
     ``like``)."""
     block_lat: float = 0.0
+    """Of ``block_comm``, what does not shrink with the batch: each collective's latency
+    (the simulator's ``SimResult.comm_latency``). A micro-batch runs every collective of
+    its pass once, over its share of the bytes (:meth:`block_at`)."""
     rest_lat: float = 0.0
-    """Of ``block_comm`` and ``rest_comm``, what does not shrink with the batch: each
-    collective's latency (the simulator's ``SimResult.comm_latency``). A micro-batch runs
-    every collective of its pass once, over its share of the bytes
-    (:meth:`block_at`)."""
+    """Of ``rest_comm``, the same."""
 
     def block_at(self, f: float) -> float:
         """One block's seconds on ``f`` of the batch: its collectives' latency whole, the
@@ -182,7 +182,8 @@ def proxy(graph: Graph, blocks: Blocks, cluster: Cluster, tp: int, sp: bool, rec
         busiest = max(range(len(r.comm_time)), key=r.comm_time.__getitem__, default=None)
         measured.append((r.step_time, r.comm_time[busiest] if busiest is not None else 0.0,
                          peak.params, peak.activations,
-                         r.comm_latency[busiest] if busiest is not None else 0.0))
+                         r.comm_latency[busiest] if busiest is not None and r.comm_latency
+                         else 0.0))
     _, p4 = cut_stacks(graph, plan, blocks, 4) if derive else (g, p)
     x3 = measured[0]
     x4 = tuple(a + d for a, d in zip(x3, like.per_block)) if derive else measured[1]

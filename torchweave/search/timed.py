@@ -276,10 +276,10 @@ class Timing:
                 # a micro-batch runs each collective of its stage once: their latency is
                 # paid whole, not scaled with the micro-batch (Proxy.block_at), half of it
                 # in forward and half in backward, as _with_comm shares the seconds
-                lat = 0.5 * (1 - f) * ((block_f + block_b) * n_blocks * px.block_lat
-                                       + (rest_f + rest_b) * px.rest_lat)
-                fwd[:, k] += lat
-                bwd[:, k] += lat
+                paid = 0.5 * (1 - f) * ((block_f + block_b) * n_blocks * px.block_lat
+                                        + (rest_f + rest_b) * px.rest_lat)
+                fwd[:, k] += paid
+                bwd[:, k] += paid
                 lat, per_byte = self._link(pt.tp * pt.dp * pt.ep)
                 # bytes a stage's rank receives, as the simulator sizes them: of each value,
                 # what one reader's piece reads under the split (a sequence-split residual,

@@ -107,7 +107,7 @@ class SimResult:
     lowered (None: every block lowered)."""
     comm_latency: tuple[float, ...] = ()
     """Of each rank's ``comm_time``, the collectives' latency: what they would cost moving
-    almost no bytes (empty where not counted: pipelined plans and the folding fast path)."""
+    almost no bytes (empty where not counted: pipelined plans)."""
 
     @property
     def bubble(self) -> float:

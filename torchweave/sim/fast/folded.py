@@ -128,7 +128,7 @@ def lift(tasks: list[Task], n_fwd: int, inputs: SyncInputs, total: int
         return Task(t.kind, get(t.name, t.name) if t.kind == REACH else t.name,
                     tuple([get(x, x) for x in t.waits]), tuple([get(x, x) for x in t.sets]),
                     t.dur, t.key if c is None or t.key is None else t.key._replace(block=c),
-                    t.group, t.stage, t.crossing, t.nbytes, block, t.closes)
+                    t.group, t.stage, t.crossing, t.nbytes, block, t.closes, t.latency)
 
     renames = {c: in_copy(c) for c in range(1, copies + 1)}
 

@@ -243,13 +243,13 @@ def _regather(self: StepContext, state: RankForward, v: str, waits: tuple, r: in
               stage: int | None, block: int | None) -> Task:
     """``v``, saved as its shard, gathered again for backward once ``waits`` are ready (two
     gathered copies are alive at most: the forward counts them among the temporaries)."""
-    step, size = state.regather[v]
+    step, size, value = state.regather[v]
     grp = mine(step.groups, r)
-    k = self.repeats(stage, v)  # in a pipeline, once a micro-batch (StepContext.times)
+    k = self.repeats(stage, value)  # in a pipeline, once a micro-batch (StepContext.times)
     return Task(COMM, f"all_gather {v} again", waits, (regathered(v),),
                 k * self.comm(Collective.ALL_GATHER, size / k, grp),
                 Rendezvous(Meet.REGATHER, v, grp), self.meet_of(grp), stage, block=block,
-                latency=k * self.comm(Collective.ALL_GATHER, 1, grp))
+                latency=self.latency_of(value, Collective.ALL_GATHER, size, grp, k))
 
 
 def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:

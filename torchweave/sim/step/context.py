@@ -159,9 +159,16 @@ class StepContext:
         """Of :meth:`comm_of`, what does not shrink with the batch: each collective's latency
         (its cost for one byte) where ``ins`` moves a value the batch splits; the whole
         collective where it moves a batch-free one (:attr:`Task.latency`)."""
-        if ins.value not in self.batched:
+        return self.latency_of(ins.value, collective, nbytes, group, self.times(ins))
+
+    def latency_of(self, value: str, collective: Collective, nbytes: float,
+                   group: tuple[int, ...], times: int) -> float:
+        """:meth:`latency` of ``times`` collectives of graph value ``value``. The latency is
+        the collective's cost for one byte, which takes the cheapest algorithm at that size
+        (a tree where a ring is cheaper for the whole): an approximation of the split."""
+        if value not in self.batched:
             return self.comm(collective, nbytes, group)
-        return self.times(ins) * self.comm(collective, 1, group)
+        return times * self.comm(collective, 1, group)
 
     def p2p_latency(self, ins, transfers, r: int) -> float:
         """:meth:`latency` of ``r``'s share of point-to-point ``transfers``."""

@@ -115,7 +115,7 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
                 root[ins.dst] = root.get(ins.src, ins.src)
             elif getattr(ins.step, "regather", False):
                 shard_of[ins.dst] = ins.src
-                state.regather[ins.dst] = (ins.step, nbytes[ins.dst])
+                state.regather[ins.dst] = (ins.step, nbytes[ins.dst], ins.value)
                 # backward holds two gathered again at most (runtime/regather.py), one
                 # micro-batch's each
                 foot.temporaries = max(foot.temporaries, int(2 * nbytes[ins.dst]) // micro)

@@ -74,8 +74,9 @@ class RankForward:
     """ZeRO-3: unit → its parameters."""
     views: dict[str, str] = field(default_factory=dict)
     """A co-shard chunk's slice of a parameter → the parameter (its reader needs the unit)."""
-    regather: dict[str, tuple[Any, float]] = field(default_factory=dict)
-    """A ``regather`` all-gather's result → (its step, its bytes): saved as the shard."""
+    regather: dict[str, tuple[Any, float, str]] = field(default_factory=dict)
+    """A ``regather`` all-gather's result → (its step, its bytes, the graph value it
+    moves): saved as the shard."""
     regather_readers: dict[int, list[str]] = field(default_factory=dict)
     """Compute instruction → the regathered results it saved (gathered again before its
     backward, once for all the instruction's readers: :mod:`torchweave.runtime.regather`)."""
