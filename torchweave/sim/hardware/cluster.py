@@ -53,6 +53,11 @@ class Cluster:
     """Network between nodes."""
     name: str = ""
     """How the user wrote it, e.g. ``64xA100-80GB-SXM``."""
+    share: float = 1.0
+    """Where a node runs more ranks than its device's ``cores``: the fraction of a core's
+    rates each rank's ``device`` figures are, ``cores / ranks × shared_efficiency`` (set
+    when the cluster is made); 1 otherwise. A rank that waits leaves its share to the
+    others (:func:`~torchweave.sim.step.run.shared_cores_step`)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -84,6 +89,7 @@ class Cluster:
                             f"rates"))
             object.__setattr__(self, "intra", dataclasses.replace(
                 self.intra, bandwidth=self.intra.bandwidth * share))
+            object.__setattr__(self, "share", share)
 
     @property
     def size(self) -> int:
@@ -201,6 +207,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
 
     out = plain(cluster)
     out["name"] = cluster.name
+    out.pop("share")  # the device is written with its shared rates; its cores are not
     return out
 
 
