@@ -38,7 +38,7 @@ from torchweave.search.makespan import Compiled, compile_schedule, exposed_sums,
 from torchweave.sim.fast.fold import Blocks
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
-from torchweave.sim.hardware.compute import op_time
+from torchweave.sim.hardware.compute import contracts, op_time
 from torchweave.sim.step.backward import Buckets
 
 @dataclass(frozen=True)
@@ -67,6 +67,11 @@ class Shares:
     params: tuple[tuple[int, ...], ...]
     """Per stage, its parameters' elements in the order backward makes their gradients
     (the reverse of their first reads)."""
+    block_n: np.ndarray | None = None
+    rest_n: np.ndarray | None = None
+    """Each stage's share of the blocks' and of the rest's products with a parameter (a
+    linear): where tensor parallelism puts its collectives, so where their latency, paid
+    whole by each micro-batch, falls (None: as the seconds)."""
     fixed: tuple[tuple[str, int, tuple[int, ...], int], ...] = ()
     """Floating op outputs without the batch dim (a relative-position bias): ``(value, its
     stage, every stage with a batch-split op that reads it, bytes in the compute dtype)``.
@@ -140,9 +145,13 @@ class Timing:
         self.graph, self.cluster, self.batch, self._blocks = graph, cluster, batch, blocks
         self.half = dtype in (torch.float16, torch.bfloat16)
         self._ops = []
+        self._linear: list[bool] = []  # a product with a parameter: where tp's collectives are
         for n in graph.nodes:
-            t = op_time(info(graph, n), cluster.device, dtype=dtype or torch.float32)
+            op = info(graph, n)
+            t = op_time(op, cluster.device, dtype=dtype or torch.float32)
             self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
+            self._linear.append(contracts(op) and any(
+                graph.values[r.name].kind == "param" for r in n.input_refs()))
         self._batched = graph.batched_values()  # values a micro-batch splits (as the simulator has them)
         self._shares: dict[tuple[int, str, tuple[int, ...]], Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
@@ -164,9 +173,11 @@ class Timing:
                 stage_of = send_lookups(g, stage_of)
             where = [stage_of[n.name] for n in g.nodes]
             parts = np.zeros((4, stages))
-            for s, (f, b, inside) in zip(where, self._ops):
+            linears = np.zeros((2, stages))
+            for s, (f, b, inside), lin in zip(where, self._ops, self._linear):
                 parts[0 if inside else 2, s] += f
                 parts[1 if inside else 3, s] += b
+                linears[0 if inside else 1, s] += lin
             blk, rest = parts[:2].sum(), parts[2:].sum()
             made = {o: s for n, s in zip(g.nodes, where) for o in n.outputs if o}
             later: dict[str, list[int]] = defaultdict(list)  # value -> later stages reading it
@@ -211,6 +222,7 @@ class Timing:
                                           held[0] / (held[0].sum() or 1),
                                           held[1] / (held[1].sum() or 1),
                                           tuple(tuple(p) for p in params),
+                                          *(x / x.sum() if x.sum() else None for x in linears),
                                           tuple((v, made[v], tuple(sorted(st)), self._nbytes(v))
                                                 for v, st in fixed.items()))
         return self._shares[(stages, tied, cuts)]
@@ -274,10 +286,13 @@ class Timing:
                 fwd[:, k] = (block_f * whole + rest_f * px.rest_s) * f
                 bwd[:, k] = (block_b * whole + rest_b * px.rest_s) * f
                 # a micro-batch runs each collective of its stage once: their latency is
-                # paid whole, not scaled with the micro-batch (Proxy.block_at), half of it
-                # in forward and half in backward, as _with_comm shares the seconds
-                paid = 0.5 * (1 - f) * ((block_f + block_b) * n_blocks * px.block_lat
-                                        + (rest_f + rest_b) * px.rest_lat)
+                # paid whole, not scaled with the micro-batch (Proxy.block_at), where the
+                # stage's linears are (an encoder layer over 4x the tokens has the seconds
+                # of several decoder layers but fewer collectives), half of it in forward
+                # and half in backward, as _with_comm shares the seconds
+                by_block = sh.block_n if sh.block_n is not None else block_f + block_b
+                by_rest = sh.rest_n if sh.rest_n is not None else rest_f + rest_b
+                paid = 0.5 * (1 - f) * (by_block * n_blocks * px.block_lat + by_rest * px.rest_lat)
                 fwd[:, k] += paid
                 bwd[:, k] += paid
                 lat, per_byte = self._link(pt.tp * pt.dp * pt.ep)

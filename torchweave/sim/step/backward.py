@@ -16,6 +16,7 @@ from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.hardware.profile import optimizer_key
 from torchweave.sim.step.context import StepContext
 from torchweave.sim.step.engine import COMM, COMPUTE, LOCAL, Task
+from torchweave.sim.step.pipelined import hidden
 from torchweave.sim.step.signals import (
     OPTIMIZER, Kind, Meet, Of, Rendezvous, Signal, grad, regathered,
 )
@@ -246,10 +247,12 @@ def _regather(self: StepContext, state: RankForward, v: str, waits: tuple, r: in
     step, size, value = state.regather[v]
     grp = mine(step.groups, r)
     k = self.repeats(stage, value)  # in a pipeline, once a micro-batch (StepContext.times)
-    return Task(COMM, f"all_gather {v} again", waits, (regathered(v),),
-                k * self.comm(Collective.ALL_GATHER, size / k, grp),
-                Rendezvous(Meet.REGATHER, v, grp), self.meet_of(grp), stage, block=block,
-                latency=self.latency_of(value, Collective.ALL_GATHER, size, grp, k))
+    t = Task(COMM, f"all_gather {v} again", waits, (regathered(v),),
+             k * self.comm(Collective.ALL_GATHER, size / k, grp),
+             Rendezvous(Meet.REGATHER, v, grp), self.meet_of(grp), stage, block=block)
+    if not hidden(t, self.cluster.device.comm_overlaps_compute):  # a pipeline stage pays it
+        t.latency = self.latency_of(value, Collective.ALL_GATHER, size, grp, k)
+    return t
 
 
 def _comm_bwd(self: StepContext, ins: Comm, r: int, nbytes) -> Task:

@@ -101,7 +101,7 @@ class RankCosts:
                 + sum(s.seconds for s in self.gathers.values()))
 
 
-def _hidden(t: Task, overlaps: bool) -> bool:
+def hidden(t: Task, overlaps: bool) -> bool:
     """A regathered activation's gather started while the one before it is read
     (runtime/regather.py): it overlaps the stage's compute, where the device overlaps
     communication with compute. A stage's first one meets the backward's first collective
@@ -120,7 +120,7 @@ def rank_costs(tasks: list[Task], foot: Footprint, overlaps: bool = True) -> Ran
         if t.stage is not None:
             for g in t.sets:
                 made_in[g].add(t.stage)
-            if t.kind != LOCAL and not _hidden(t, overlaps):
+            if t.kind != LOCAL and not hidden(t, overlaps):
                 side = out.fwd if i < foot.n_fwd else out.bwd
                 side[t.stage] = side.get(t.stage, 0.0) + t.dur
     for t in tasks:
