@@ -175,16 +175,8 @@ def test_a_micro_batch_pays_each_collectives_latency_whole():
     too."""
     from dataclasses import replace
 
-    from torchweave.models.gpt import GPT, GPTConfig
-
-    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=8, n_head=4, d_model=64)
-    g = torchweave.capture(GPT(cfg), (torch.zeros(8, 64, dtype=torch.long),) * 2)
-    cluster = parse_cluster("8xCPU-2core@8")
-    base = PlanSpec.parse("dp").build(g, 1)
-    blocks = with_twin(g, base, find_blocks(g, base, least=4, nested=False))
-    px = proxy(g, blocks, cluster, 2, False, "none", dtype=None, precision="fp32")
+    g, cluster, blocks, px, timing = _cpu_gpt(512, 64, 8, 64, "8xCPU-2core@8", tp=2)
     assert 0 < px.block_lat < px.block_comm
-    timing = Timing(g, blocks, cluster, None, 8)
     scaled = replace(px, block_lat=0.0, rest_lat=0.0)  # the latency shrinking with the batch
     for pp, micro in ((2, 4), (4, 8)):
         pt = Point(tp=2, pp=pp, dp=8 // (2 * pp), micro=micro, virtual=1, schedule="1f1b",
@@ -204,15 +196,7 @@ def test_pipelines_on_shared_cores_are_priced_as_the_simulator_prices_them():
     the simulator, where the bubble-charging estimate is far over."""
     from dataclasses import replace
 
-    from torchweave.models.gpt import GPT, GPTConfig
-
-    cfg = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=4, d_model=256)
-    g = torchweave.capture(GPT(cfg), (torch.zeros(8, 128, dtype=torch.long),) * 2)
-    cluster = parse_cluster("4xCPU-2core@4")
-    base = PlanSpec.parse("dp").build(g, 1)
-    blocks = with_twin(g, base, find_blocks(g, base, least=4, nested=False))
-    px = proxy(g, blocks, cluster, 1, False, "none", dtype=None, precision="fp32")
-    timing = Timing(g, blocks, cluster, None, 8)
+    g, cluster, blocks, px, timing = _cpu_gpt(4096, 128, 4, 256, "4xCPU-2core@4", tp=1)
     for pp, dp, schedule in ((4, 1, "1f1b"), (4, 1, "gpipe"), (2, 2, "1f1b")):
         pt = Point(tp=1, pp=pp, dp=dp, micro=4, virtual=1, schedule=schedule,
                    recompute="none", zero=0, sp=False)
@@ -225,3 +209,17 @@ def test_pipelines_on_shared_cores_are_priced_as_the_simulator_prices_them():
         unshared = estimate(pt, px, replace(cluster, share=1.0), len(blocks), precision="fp32",
                             schedule_s=priced)  # every rank held to its share
         assert unshared.step_s / res.step_time > 1.25, (pt.spec, unshared.step_s)
+
+
+def _cpu_gpt(vocab: int, seq: int, layers: int, d: int, spec: str, *, tp: int):
+    """A GPT of batch 8 on the CPU cluster ``spec``: graph, cluster, blocks, the proxy of
+    Megatron's split at ``tp`` and the schedule timing."""
+    from torchweave.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=4, d_model=d)
+    g = torchweave.capture(GPT(cfg), (torch.zeros(8, seq, dtype=torch.long),) * 2)
+    cluster = parse_cluster(spec)
+    base = PlanSpec.parse("dp").build(g, 1)
+    blocks = with_twin(g, base, find_blocks(g, base, least=4, nested=False))
+    px = proxy(g, blocks, cluster, tp, False, "none", dtype=None, precision="fp32")
+    return g, cluster, blocks, px, Timing(g, blocks, cluster, None, 8)

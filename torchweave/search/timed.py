@@ -38,7 +38,7 @@ from torchweave.search.makespan import Compiled, compile_schedule, exposed_sums,
 from torchweave.sim.fast.fold import Blocks
 from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
-from torchweave.sim.hardware.compute import contracts, op_time
+from torchweave.sim.hardware.compute import op_time
 from torchweave.sim.step.backward import Buckets
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ class Shares:
     (the reverse of their first reads)."""
     block_n: np.ndarray | None = None
     rest_n: np.ndarray | None = None
-    """Each stage's share of the blocks' and of the rest's products with a parameter (a
-    linear): where tensor parallelism puts its collectives, so where their latency, paid
-    whole by each micro-batch, falls (None: as the seconds)."""
+    """Each stage's share of the blocks' and of the rest's ops that read a parameter (linears,
+    lookups, norms): where tensor parallelism puts its collectives, so where their latency,
+    paid whole by each micro-batch, falls (None: as the seconds)."""
     fixed: tuple[tuple[str, int, tuple[int, ...], int], ...] = ()
     """Floating op outputs without the batch dim (a relative-position bias): ``(value, its
     stage, every stage with a batch-split op that reads it, bytes in the compute dtype)``.
@@ -145,13 +145,12 @@ class Timing:
         self.graph, self.cluster, self.batch, self._blocks = graph, cluster, batch, blocks
         self.half = dtype in (torch.float16, torch.bfloat16)
         self._ops = []
-        self._linear: list[bool] = []  # a product with a parameter: where tp's collectives are
+        self._reads: list[bool] = []  # reads a parameter: where tp's collectives are
         for n in graph.nodes:
             op = info(graph, n)
             t = op_time(op, cluster.device, dtype=dtype or torch.float32)
             self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
-            self._linear.append(contracts(op) and any(
-                graph.values[r.name].kind == "param" for r in n.input_refs()))
+            self._reads.append(any(graph.values[r.name].kind == "param" for r in n.input_refs()))
         self._batched = graph.batched_values()  # values a micro-batch splits (as the simulator has them)
         self._shares: dict[tuple[int, str, tuple[int, ...]], Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
@@ -174,7 +173,7 @@ class Timing:
             where = [stage_of[n.name] for n in g.nodes]
             parts = np.zeros((4, stages))
             linears = np.zeros((2, stages))
-            for s, (f, b, inside), lin in zip(where, self._ops, self._linear):
+            for s, (f, b, inside), lin in zip(where, self._ops, self._reads):
                 parts[0 if inside else 2, s] += f
                 parts[1 if inside else 3, s] += b
                 linears[0 if inside else 1, s] += lin
@@ -287,9 +286,9 @@ class Timing:
                 bwd[:, k] = (block_b * whole + rest_b * px.rest_s) * f
                 # a micro-batch runs each collective of its stage once: their latency is
                 # paid whole, not scaled with the micro-batch (Proxy.block_at), where the
-                # stage's linears are (an encoder layer over 4x the tokens has the seconds
-                # of several decoder layers but fewer collectives), half of it in forward
-                # and half in backward, as _with_comm shares the seconds
+                # stage's ops that read parameters are (an encoder layer over 4x the tokens
+                # has the seconds of several decoder layers but fewer collectives), half of
+                # it in forward and half in backward, as _with_comm shares the seconds
                 by_block = sh.block_n if sh.block_n is not None else block_f + block_b
                 by_rest = sh.rest_n if sh.rest_n is not None else rest_f + rest_b
                 paid = 0.5 * (1 - f) * (by_block * n_blocks * px.block_lat + by_rest * px.rest_lat)
