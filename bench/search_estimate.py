@@ -34,7 +34,8 @@ def main() -> int:
     from torchweave.policies.spec import PlanSpec
     from torchweave.search.constraints_file import preset
     from torchweave.search.cuts import seconds_points
-    from torchweave.search.estimate import estimate, proxy
+    from torchweave.search.estimate import estimate
+    from torchweave.search.proxies import proxy
     from torchweave.search.space import Point
     from torchweave.search.timed import Timing
     from torchweave.sim import parse_cluster

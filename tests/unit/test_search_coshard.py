@@ -57,7 +57,7 @@ def test_a_co_sharded_proxy_built_from_its_sibling_equals_one_simulated_whole(tp
     import torchweave
     from torchweave.models.gpt import GPT, GPTConfig
     from torchweave.policies.spec import PlanSpec
-    from torchweave.search.estimate import proxy
+    from torchweave.search.proxies import proxy
     from torchweave.sim.fast.fold import find_blocks, with_twin
 
     with torch.device("meta"):

@@ -44,7 +44,8 @@ def test_expert_points_are_priced_by_a_proxy_planned_with_ep() -> None:
     import torchweave
     from torchweave.models.moe import MoEConfig, MoEGPT
     from torchweave.policies.spec import PlanSpec
-    from torchweave.search.estimate import estimate, proxy
+    from torchweave.search.estimate import estimate
+    from torchweave.search.proxies import proxy
     from torchweave.search.space import Point
     from torchweave.search.timed import Timing
     from torchweave.sim.fast.fold import find_blocks

@@ -10,7 +10,8 @@ import torch
 import torchweave
 from torchweave.models.t5 import T5, T5Config
 from torchweave.policies.spec import PlanSpec
-from torchweave.search.estimate import estimate, proxy
+from torchweave.search.estimate import estimate
+from torchweave.search.proxies import proxy
 from torchweave.search.space import Point
 from torchweave.sim import parse_cluster
 from torchweave.sim.fast.fold import cut_stacks, find_blocks, with_twin

@@ -15,7 +15,8 @@ import torchweave
 from torchweave.models.t5 import T5, T5Config
 from torchweave.plan.schedules.builtin import builtin
 from torchweave.policies.spec import PlanSpec
-from torchweave.search.estimate import estimate, proxy
+from torchweave.search.estimate import estimate
+from torchweave.search.proxies import proxy
 from torchweave.search.space import Point
 from torchweave.search.makespan import compile_schedule, exposed_sums, makespans
 from torchweave.search.timed import Timing
@@ -115,7 +116,7 @@ def test_a_boundary_carries_what_the_next_stages_read(t5):
     encoder output (sequence-split where it is made, read whole by cross-attention's
     column-parallel linears) whole; a value crosses once into each other pipeline rank
     that reads it (an interleaved rank keeps its copy for its later stages)."""
-    from torchweave.search.estimate import read_shares
+    from torchweave.search.proxies import read_shares
 
     shares = read_shares(t5, PlanSpec.parse("sp:tp=2,dp=1").build(t5, 2))
     enc_out = [n for n in t5.nodes if n.module == "enc_norm"][-1].outputs[0]
@@ -141,7 +142,7 @@ def test_cuts_inside_blocks_are_priced_within_5_percent(t5):
     of the simulator."""
     from torchweave.search.constraints_file import preset
     from torchweave.search.cuts import seconds_points
-    from torchweave.search.estimate import read_shares
+    from torchweave.search.proxies import read_shares
 
     cluster = parse_cluster("16xV100-32GB-SXM2@8")
     dtype = torch.float16

@@ -135,7 +135,8 @@ def test_with_zero_the_estimate_holds_no_copy_of_a_sent_table() -> None:
     """Under ZeRO the schedule does not time the sums (they wait for the last action), so
     the estimate's arithmetic prices the tied copies: with ``tied=send`` there are none of
     the decoder's lookup (no sum of copies, no whole copy ZeRO cannot shard)."""
-    from torchweave.search.estimate import estimate, proxy
+    from torchweave.search.estimate import estimate
+    from torchweave.search.proxies import proxy
     from torchweave.search.space import Point
     from torchweave.search.timed import Timing
     from torchweave.sim import parse_cluster

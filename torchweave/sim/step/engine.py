@@ -62,7 +62,7 @@ class Task:
     what does not shrink with the batch: its latency, once per collective it stands for,
     or all of it for a batch-free value (:meth:`StepContext.latency`). 0 for gradient
     sums and parameter gathers. Read by the search, which scales the rest with the
-    micro-batch (:class:`~torchweave.search.estimate.Proxy`), not by the engine."""
+    micro-batch (:class:`~torchweave.search.proxies.Proxy`), not by the engine."""
 
 
 @dataclass
