@@ -57,6 +57,7 @@ from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.hardware.memory import model_state_memory
+from torchweave.sim.step.run import shared_cores_step
 
 
 
@@ -174,12 +175,10 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     acts = px.block_act * f * per_rank_blocks * flight + px.rest_act * f
     memory = int(state.total + whole + acts + temps)
     step = work + bubble + sync + p2p + opt
-    if pt.pp > 1 and cluster.share < 1 and pt.tp * pt.pp * pt.dp * pt.ep <= cluster.devices_per_node:
-        # ranks sharing one node's cores: those waiting in the bubble leave their cores to
-        # the others, so the step is the mean rank's work or the shared step at a whole
-        # core's speed (sim/step/run.shared_cores_step)
+    if pt.pp > 1:  # ranks sharing one node's cores: those waiting in the bubble leave
+        # their cores to the others (the simulator's rule)
         mean = pt.micro * (n_blocks * px.block_at(f) + px.rest_at(f)) / pt.pp + sync + opt
-        shared = max(mean, step * cluster.share)
+        shared = shared_cores_step(cluster, pt.tp * pt.pp * pt.dp * pt.ep, step, (mean,))
         bubble, step = max(0.0, bubble - (step - shared)), shared
     return Estimate(step, work, bubble, sync, p2p, opt, memory)
 

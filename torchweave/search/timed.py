@@ -72,13 +72,12 @@ class Timing:
                  batch: int):
         self.graph, self.cluster, self.batch, self._blocks = graph, cluster, batch, blocks
         self.half = dtype in (torch.float16, torch.bfloat16)
-        self._ops = []
-        self._reads: list[bool] = []  # reads a parameter: where tp's collectives are
+        self._ops = []  # (fwd, bwd, in a block, reads a parameter: where tp's collectives are)
         for n in graph.nodes:
             op = info(graph, n)
             t = op_time(op, cluster.device, dtype=dtype or torch.float32)
-            self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module)))
-            self._reads.append(any(graph.values[r.name].kind == "param" for r in n.input_refs()))
+            self._ops.append((t.fwd, t.bwd, bool(n.module) and blocks.holds(n.module),
+                              any(graph.values[r.name].kind == "param" for r in n.input_refs())))
         self._batched = graph.batched_values()  # values a micro-batch splits (as the simulator has them)
         self._shares: dict[tuple[int, str, tuple[int, ...]], Shares] = {}
         self._compiled: dict[tuple[str, int, int, int], Compiled] = {}
@@ -100,11 +99,11 @@ class Timing:
                 stage_of = send_lookups(g, stage_of)
             where = [stage_of[n.name] for n in g.nodes]
             parts = np.zeros((4, stages))
-            linears = np.zeros((2, stages))
-            for s, (f, b, inside), lin in zip(where, self._ops, self._reads):
+            param_ops = np.zeros((2, stages))  # ops that read a parameter
+            for s, (f, b, inside, reads) in zip(where, self._ops):
                 parts[0 if inside else 2, s] += f
                 parts[1 if inside else 3, s] += b
-                linears[0 if inside else 1, s] += lin
+                param_ops[0 if inside else 1, s] += reads
             blk, rest = parts[:2].sum(), parts[2:].sum()
             made = {o: s for n, s in zip(g.nodes, where) for o in n.outputs if o}
             later: dict[str, list[int]] = defaultdict(list)  # value -> later stages reading it
@@ -149,7 +148,7 @@ class Timing:
                                           held[0] / (held[0].sum() or 1),
                                           held[1] / (held[1].sum() or 1),
                                           tuple(tuple(p) for p in params),
-                                          *(x / x.sum() if x.sum() else None for x in linears),
+                                          *(x / x.sum() if x.sum() else None for x in param_ops),
                                           tuple((v, made[v], tuple(sorted(st)), self._nbytes(v))
                                                 for v, st in fixed.items()))
         return self._shares[(stages, tied, cuts)]
@@ -157,7 +156,7 @@ class Timing:
     @property
     def op_seconds(self) -> np.ndarray:
         """Each op's roofline seconds, forward and backward, whole (graph order)."""
-        return np.array([f + b for f, b, _ in self._ops])
+        return np.array([f + b for f, b, *_ in self._ops])
 
     def _positions(self, modules: tuple[str, ...], stages: int) -> tuple[int, ...]:
         """A point's ``cuts`` (module names) as graph positions (empty: the policy's cut)."""

@@ -152,8 +152,7 @@ class StepContext:
         """Seconds a step spends on ``ins``'s collective over ``nbytes`` (the whole batch's):
         :meth:`times` collectives of a share of the bytes each."""
         k = self.times(ins)
-        return k * self.comm(collective, nbytes / k, group) if k > 1 else \
-            self.comm(collective, nbytes, group)
+        return k * self.comm(collective, nbytes / k, group)
 
     def latency(self, ins, collective: Collective, nbytes: float, group: tuple[int, ...]) -> float:
         """Of :meth:`comm_of`, what does not shrink with the batch: each collective's latency

@@ -145,8 +145,8 @@ def pipelined_result(plan: Plan, cluster: Cluster, step, finish, costs, memory, 
              f"bubble {step.bubble_fraction:.1%}, micro-batches in flight per pipeline rank "
              f"{[step.in_flight[i] for i in sorted(step.in_flight)]}",) + notes
     busy = tuple(step.busy[group_of[r]] + costs[r].tail for r in ranks)
-    if cluster.share < 1 and plan.world_size <= cluster.devices_per_node:
-        shared = shared_cores_step(cluster, total, busy)
+    shared = shared_cores_step(cluster, plan.world_size, total, busy)
+    if shared != total:
         notes += (f"{cluster.devices_per_node} ranks share a node's cores: {total * 1e3:.4g} ms "
                   f"with each at its share, {shared * 1e3:.4g} ms as ranks waiting in the "
                   f"bubble leave their share to the others",)
@@ -159,16 +159,19 @@ def pipelined_result(plan: Plan, cluster: Cluster, step, finish, costs, memory, 
         bubble=step.bubble_fraction, folded_blocks=folded_blocks)
 
 
-def shared_cores_step(cluster: Cluster, step: float, busy: tuple[float, ...]) -> float:
-    """A pipelined step on one node whose ranks outnumber its cores (``cluster.share <
-    1``; a pipeline over several nodes keeps ``step``), from ``step``, simulated with every
-    rank at its share of a core, and each rank's ``busy`` seconds at that share. A
+def shared_cores_step(cluster: Cluster, world: int, step: float, busy: tuple[float, ...]) -> float:
+    """A pipelined step of ``world`` ranks on one node whose ranks outnumber its cores
+    (``cluster.share < 1``; elsewhere, and on several nodes, ``step`` as it is), from
+    ``step``, simulated with every rank at its share of a core, and each rank's ``busy``
+    seconds at that share (the search passes its mean rank's alone). A
     pipeline rank waits in the bubble; the operating system then runs the ranks that have
     work on the cores it leaves, faster than their share. Two bounds remain: the node does
     its ranks' work with all its cores, so no faster than the mean of their busy seconds
     (``Σ busy · share / (cores · efficiency)``), and no rank runs faster than a whole core,
     ``step · share``. The step is the larger (``docs/simulator.md``, "Ranks sharing
     cores", has it against measured steps)."""
+    if cluster.share >= 1 or world > cluster.devices_per_node:
+        return step
     return max(sum(busy) / len(busy), step * cluster.share)
 
 
