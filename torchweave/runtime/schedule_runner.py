@@ -17,18 +17,12 @@
   which reads them as inputs on pass ``k + 1`` (an ``R``, or the ``F``).
 
 Every message is issued from the program's ``messages``
-(:mod:`torchweave.lower.messages`): before an action the rank waits for its
-receives, posted in the order each sender sends (``irecv``, before the action
-ahead of it computed, so that they arrive meanwhile), keeping those meant for
-later actions; after it, its sends in one fixed order. So each pair of ranks
-issues its messages in one order, which the dry run checked, and tags are
-not needed (NCCL ignores them): ``StepConfig.p2p_tags`` sends every message
-with tag 0 (``untagged``, the default on NCCL) or tags each by (link,
-micro-batch, direction, pass, transfer) (``tagged``, the default on gloo,
-where a message out of order then waits instead of landing in the wrong
-tensor). Pipeline messages go over their own process groups, one per
-direction (to a higher rank, to a lower one), apart from the point-to-point
-exchanges inside a stage.
+(:mod:`torchweave.lower.messages`), as :mod:`torchweave.runtime.stage_messages`
+says: each pair of ranks issues its messages in one order, which the dry run
+checked. ``StepConfig.p2p_tags`` sends every message with tag 0 (``untagged``,
+the default on NCCL, which ignores tags) or tags each (``tagged``, the default
+on gloo, where a message out of order then waits instead of landing in the
+wrong tensor).
 
 Gradient sync overlaps the schedule's tail: a replicated parameter's
 gradient is final after the last ``B`` or ``W`` of every stage on this rank
@@ -50,27 +44,14 @@ import torch
 import torch.distributed as dist
 
 from torchweave.errors import Problem, TorchweaveError
-from torchweave.lower.messages import links
-from torchweave.lower.program import Exchange, Message, Segment
+from torchweave.lower.program import Exchange, Segment
 from torchweave.lower.stages import reads
-from torchweave.lower.steps import Transfer
 from torchweave.plan.schedules import Action, Kind
-from torchweave.runtime.counter import CommKind, Direction
 from torchweave.runtime.executor import RankModule
 from torchweave.runtime.loss_messages import LossMessages
 from torchweave.runtime.regather import Forward, forward_hooks
+from torchweave.runtime.stage_messages import StageMessages, region
 from torchweave.runtime.zb import SplitBackward
-
-_TAG_TRANSFERS = 4096
-"""Room for this many transfers per boundary in a message tag."""
-
-def _region(t: torch.Tensor, box) -> torch.Tensor:
-    return t[tuple(slice(a, b) for a, b in box)]
-
-
-def _shape(box) -> tuple[int, ...]:
-    return tuple(b - a for a, b in box)
-
 
 @dataclass
 class _Live:
@@ -102,13 +83,6 @@ class StepStats:
     """Gradient buckets whose sum started before this rank's last action (overlapped with compute)."""
 
 
-def _tagged(mode: str, group_cache) -> bool:
-    """``auto``: tags on gloo (a mismatch then waits instead of swapping tensors), none on NCCL."""
-    if mode == "auto":
-        return group_cache.world_size > 1 and not group_cache.nccl
-    return mode == "tagged"
-
-
 class PipelineModule(RankModule):
     """One rank of a pipelined plan, with ``train_step(*batch)``."""
 
@@ -128,12 +102,7 @@ class PipelineModule(RankModule):
         self.micro = prog.micro_batches
         self.passes = prog.passes
         self.stats = StepStats()
-        self._links = links(prog)
-        self._dtype = {bd.index: getattr(torch, bd.dtype.removeprefix("torch."))
-                       for seg in prog.segments for bd in seg.recvs + seg.sends}
-        self.tagged = _tagged(self.config.p2p_tags, self.rt.group_cache)
-        """Messages carry tags (a check on gloo); untagged, each is sent with tag 0."""
-        self._groups = self.rt.group_cache.pipeline_groups()
+        self.messages = StageMessages(prog, self.rt.rank, self.rt.group_cache, self.config.p2p_tags)
         self.loss_messages = LossMessages.build(self.program, self.rt.group_cache)
         """The loss's terms sent to every rank (:mod:`~torchweave.runtime.loss_messages`); None:
         summed by an all-reduce after the step."""
@@ -172,9 +141,8 @@ class PipelineModule(RankModule):
         self._live: dict[tuple[int, int], _Live] = {}
         self._handed: dict[tuple[str, int], torch.Tensor] = {}
         self._handed_grad: dict[tuple[str, int], torch.Tensor] = {}
-        self._pending: list[tuple[Any, torch.Tensor]] = []
-        self._got: dict[Message, torch.Tensor] = {}
-        self._posted: dict[Message, tuple[Any, torch.Tensor]] = {}
+        self.messages.begin({self.program.boundaries + i: self._micro[link.index][0].dtype
+                             for i, link in enumerate(self.program.recycle)})
         self._loss = 0.0
         self._loss_terms = 0
         if self.loss_messages is not None:
@@ -191,13 +159,12 @@ class PipelineModule(RankModule):
                      self.program.messages[i + 1] if i + 1 < len(self.program.actions) else None)
             self.sync.mark_ready(final)
             self.stats.peak_live = max(self.stats.peak_live, len(self._live))
-            self._drop_sent()
+            self.messages.drop_sent()
         self.sync.enabled = False
         if self.loss_messages is not None:  # once a step: here if no forward made it final
             self.loss_messages.send(self._loss)
-        for work, _ in self._pending:
-            work.wait()
-        self._pending = []
+        self.messages.finish()
+        self.stats.wait_s = self.messages.wait_s
         self.stats.wall_s = time.perf_counter() - start
         self.sync.finish()
         if self.zero_opt is not None:
@@ -209,9 +176,9 @@ class PipelineModule(RankModule):
     def run(self, a: Action, ex: Exchange, following: Exchange | None = None) -> None:
         """Run action ``a``; ``following``: the next action's exchange, whose receives are
         posted before ``a`` computes, so that they arrive meanwhile."""
-        self._receive(ex)
+        self.messages.receive(ex, self.rt.device)
         if following is not None:
-            self._post(following)
+            self.messages.post(following)
         if a.kind is Kind.F:
             self._forward(a.stage, a.micro, self.passes - 1, ex)
         elif a.kind is Kind.R:
@@ -229,15 +196,15 @@ class PipelineModule(RankModule):
         seg = self.segments[s]
         got: dict[int, torch.Tensor] = {}
         for bd in seg.recvs:
-            got[bd.index] = torch.zeros(dict(bd.step.shapes)[self.rt.rank], dtype=self._dtype[bd.index],
+            got[bd.index] = torch.zeros(dict(bd.step.shapes)[self.rt.rank], dtype=self.messages.dtype[bd.index],
                                         device=self.rt.device)
         inputs = [x[m] for x in self._micro]
         if k > 0 and s == 0:
             for i, link in enumerate(self.program.recycle):
                 if self.rt.rank in dict(link.boxes):
                     inputs[link.index] = torch.zeros_like(inputs[link.index])
-                    got[self.program.boundaries + i] = _region(inputs[link.index], dict(link.boxes)[self.rt.rank])
-        self._take(ex.needs, got)
+                    got[self.program.boundaries + i] = region(inputs[link.index], dict(link.boxes)[self.rt.rank])
+        self.messages.take(ex.needs, got)
         b: dict[str, torch.Tensor] = {}
         for bd in seg.recvs:
             b[bd.key] = got[bd.index]
@@ -258,7 +225,7 @@ class PipelineModule(RankModule):
         for i, link in enumerate(self.program.recycle):
             if not grad and link.output in outputs:
                 values[self.program.boundaries + i] = outputs[link.output]
-        self._send(ex, values)
+        self.messages.send(ex, values)
         for name in seg.outputs:
             if self._read_locally(name):
                 self._handed[(name, m, k)] = outputs[name]
@@ -284,7 +251,7 @@ class PipelineModule(RankModule):
                 grads.append(torch.ones_like(t) if t.numel() else torch.zeros_like(t))
             got = {bd.index: torch.zeros_like(live.outputs[bd.local], memory_format=torch.contiguous_format)
                    for bd in seg.sends if bd.grad}
-            self._take(ex.needs, got)
+            self.messages.take(ex.needs, got)
             for bd in seg.sends:
                 if bd.grad and live.outputs[bd.local].requires_grad:
                     roots.append(live.outputs[bd.local])
@@ -310,7 +277,7 @@ class PipelineModule(RankModule):
                     g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                     scale = dict(bd.step.grad_scale).get(self.rt.rank, 1.0)
                     values[bd.index] = g * scale if scale != 1.0 else g
-            self._send(ex, values)
+            self.messages.send(ex, values)
             for name in seg.inputs:
                 leaf = live.leaves[name]
                 if leaf.grad is not None:
@@ -319,77 +286,6 @@ class PipelineModule(RankModule):
                     self._handed_grad[key] = leaf.grad if prev is None else prev + leaf.grad
         if to_params:
             del self._live[(s, m)]
-
-    # ------------------------------------------------------------ messages
-    def _tag(self, x: Message) -> int:
-        """``x``'s tag (0 for every message when untagged): (link, micro-batch, direction,
-        pass, transfer)."""
-        if not self.tagged:
-            return 0
-        return ((((x.link * self.micro + x.micro) * 2 + x.grad) * self.passes + x.iteration)
-                * _TAG_TRANSFERS + x.transfer)
-
-    def _group(self, x: Message):
-        """The pipeline's group for ``x``'s direction: one order per ordered pair of ranks."""
-        return self._groups[0] if x.src < x.dst else self._groups[1]
-
-    def _transfer(self, x: Message) -> Transfer:
-        step = self._links[x.link]
-        return (step.grad_back if x.grad else step.transfers)[x.transfer]
-
-    def _post(self, ex: Exchange) -> None:
-        """Post the action's receives not posted yet, in the order their senders send them
-        (a rank's posts to one peer keep the order of the schedule's messages)."""
-        for x in ex.posts:
-            if x in self._posted:
-                continue
-            t = self._transfer(x)
-            link = x.link - self.program.boundaries
-            dtype = self._dtype[x.link] if link < 0 else self._micro[self.program.recycle[link].index][0].dtype
-            buf = torch.empty(_shape(t.dst_box), dtype=dtype, device=self.rt.group_cache.p2p_device)
-            self._posted[x] = (dist.irecv(buf, x.src, group=self._group(x), tag=self._tag(x)), buf)
-
-    def _receive(self, ex: Exchange) -> None:
-        """The action's receives (posted here, or before the action ahead of it computed);
-        some are for later actions: kept until then."""
-        self._post(ex)
-        for x in ex.posts:
-            work, buf = self._posted.pop(x)
-            start = time.perf_counter()
-            work.wait()
-            self.stats.wait_s += time.perf_counter() - start
-            self._got[x] = buf.to(self.rt.device)
-
-    def _take(self, needs: tuple[Message, ...], into: dict[int, torch.Tensor]) -> None:
-        """Place each received piece in its link's tensor (gradients add up)."""
-        for x in needs:
-            t, piece = self._transfer(x), self._got.pop(x)
-            target = _region(into[x.link], t.dst_box)
-            target.add_(piece) if x.grad or t.add else target.copy_(piece)
-
-    def _send(self, ex: Exchange, values: dict[int, torch.Tensor]) -> None:
-        """Post the action's sends (pieces of ``values``, link -> tensor) in the model's order;
-        pieces for this rank itself are kept for the action that reads them."""
-        for x in ex.local + ex.sends:
-            data = _region(values[x.link], self._transfer(x).src_box).detach().contiguous()
-            if x.dst == self.rt.rank:
-                self._got[x] = data
-                continue
-            direction = Direction.BACKWARD if x.grad else Direction.FORWARD
-            self.rt.group_cache.counter.record(CommKind.P2P, direction, (self.rt.rank, x.dst),
-                                               data.numel() * data.element_size())
-            data = data.to(self.rt.group_cache.p2p_device)
-            self._pending.append((dist.isend(data, x.dst, group=self._group(x), tag=self._tag(x)), data))
-
-    def _drop_sent(self) -> None:
-        """Free the buffers of sends that have completed (the rest are waited on at the end)."""
-        left = []
-        for work, data in self._pending:
-            if work.is_completed():
-                work.wait()  # raises if the send failed
-            else:
-                left.append((work, data))
-        self._pending = left
 
     # ------------------------------------------------------------ loss
     def _reported_loss(self) -> Callable[[], float]:
