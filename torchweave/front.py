@@ -26,6 +26,7 @@ from torchweave.plan.plan import Plan
 from torchweave.policies import PlanLike, resolve
 from torchweave.policies.spec import merged_accum, micro_of, needs_search
 from torchweave.runtime.broadcast import as_bytes, broadcast_tensor, broadcast_text
+from torchweave.runtime.forked import in_child
 from torchweave.runtime.groups import GroupCache
 
 
@@ -131,6 +132,45 @@ def capture_and_resolve(model: torch.nn.Module, example_inputs: tuple[Any, ...],
     return graph, resolved
 
 
+class _Unwritable(Exception):
+    """Rank 0's graph or plan does not fit their formats: it keeps its own objects."""
+
+    def __init__(self, why: str, graph: Graph, resolved: Plan) -> None:
+        super().__init__(why)
+        self.graph, self.resolved = graph, resolved
+
+
+def _payload(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
+             world_size: int, micro_batches: int, precision: str) -> list[bytes]:
+    """Rank 0's capture and plan as what the other ranks receive: the header (graph file, plan
+    JSON, each constant's name, dtype and shape) and each constant's bytes. Both texts pass
+    their loaders here first (what the others would refuse is not sent: ``_Unwritable``)."""
+    graph, resolved = capture_and_resolve(model, example_inputs, plan, world_size=world_size,
+                                          micro_batches=micro_batches, precision=precision)
+    consts = graph.meta.get("constants", {})
+    try:
+        text = graph_to_json(graph)
+        graph_from_json(text)
+        plan_text = resolved.to_json()
+        Plan.from_json(plan_text)
+        bad = [k for k, v in consts.items() if v.dtype not in DTYPES.values()]
+        if bad:
+            raise ValueError(f"constant {bad[0]} of dtype {consts[bad[0]].dtype}")
+        data = [as_bytes(v).numpy().tobytes() for v in consts.values()]
+    except Exception as exc:  # noqa: BLE001 - any graph the format cannot hold
+        raise _Unwritable(f"{type(exc).__name__}: {exc}"[:300], graph, resolved) from exc
+    header = {"graph": text, "plan": plan_text,
+              "constants": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
+                            for k, v in consts.items()]}
+    return [json.dumps(header).encode(), *data]
+
+
+def _import_dynamo() -> None:
+    # what the step needs anyway (every torch optimizer's constructor imports torch._dynamo,
+    # ~1.5 s): on ranks other than 0 its import overlaps rank 0's capture
+    import torch._dynamo  # noqa: F401
+
+
 def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
                  groups: GroupCache, micro_batches: int = 1,
                  precision: str = "fp32") -> tuple[Graph, Plan] | None:
@@ -141,8 +181,13 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     machine. Rank 0 does it, then broadcasts the graph in the graph-file format, the
     plan as plan JSON and the lifted constants as tensors: nothing is pickled, and
     both texts pass the loaders' checks (:func:`~torchweave.graphfile.graph_from_json`,
-    :meth:`Plan.from_json`). Rank 0 goes on with what it sent, so every rank lowers
-    the very same graph and plan.
+    :meth:`Plan.from_json`). Rank 0 reads what it sent, so every rank lowers the very
+    same graph and plan.
+
+    Rank 0 does the work in a forked child (:mod:`torchweave.runtime.forked`), so that
+    what ``torch.export`` imports and caches does not stay in its memory (it imports
+    ``torch._dynamo``, which the step needs too, before the fork); where it cannot fork,
+    or the child fails, it does the work itself (and raises what the child met).
 
     Where rank 0 could not write its graph or plan in their formats, it keeps its
     own and the others get None (each captures and resolves for itself). An error
@@ -151,36 +196,24 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     if groups.world_size == 1 or not dist.is_initialized() or \
             dist.get_world_size() != groups.world_size:
         return None
+    kw = dict(world_size=groups.world_size, micro_batches=micro_batches, precision=precision)
     if groups.rank == 0:
-        try:
-            graph, resolved = capture_and_resolve(model, example_inputs, plan,
-                                                  world_size=groups.world_size,
-                                                  micro_batches=micro_batches, precision=precision)
-        except Exception as exc:
-            broadcast_text(groups, json.dumps({"error": type(exc).__name__, "text": str(exc)[:2000]}))
-            raise
-        consts = graph.meta.get("constants", {})
-        try:
-            text = graph_to_json(graph)
-            mine = graph_from_json(text)  # what the other ranks will read: refused, not sent
-            plan_text = resolved.to_json()
-            Plan.from_json(plan_text)
-            bad = [k for k, v in consts.items() if v.dtype not in DTYPES.values()]
-            if bad:
-                raise ValueError(f"constant {bad[0]} of dtype {consts[bad[0]].dtype}")
-            data = {k: as_bytes(v) for k, v in consts.items()}  # before the header: a failure
-            # here falls back with every rank told, never between two broadcasts
-        except Exception as exc:  # noqa: BLE001 - any graph the format cannot hold
-            broadcast_text(groups, json.dumps({"each": f"{type(exc).__name__}: {exc}"[:300]}))
-            return graph, resolved  # the others capture and resolve for themselves, as rank 0 did
-        header = {"graph": text, "plan": plan_text,
-                  "constants": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
-                                for k, v in consts.items()]}
-        broadcast_text(groups, json.dumps(header))
+        _import_dynamo()  # before the fork: the child's capture reads it, not imports it again
+        parts = in_child(lambda: _payload(model, example_inputs, plan, **kw))
+        if parts is None:  # not forked, or the child failed: here, raising what it met
+            try:
+                parts = _payload(model, example_inputs, plan, **kw)
+            except _Unwritable as exc:
+                broadcast_text(groups, json.dumps({"each": str(exc)}))
+                return exc.graph, exc.resolved  # the others capture and resolve for themselves
+            except Exception as exc:
+                broadcast_text(groups, json.dumps({"error": type(exc).__name__, "text": str(exc)[:2000]}))
+                raise
+        text = parts[0].decode()
+        broadcast_text(groups, text)
+        header, data = json.loads(text), parts[1:]
     else:
-        # while rank 0 captures: what the step needs anyway, so that its import overlaps
-        # rank 0's work (every torch optimizer's constructor imports torch._dynamo, ~1.5 s)
-        import torch._dynamo  # noqa: F401
+        _import_dynamo()
         header = json.loads(broadcast_text(groups, None))
         if "error" in header:
             said = " / ".join(line.strip() for line in str(header.get("text", "")).splitlines())
@@ -191,11 +224,11 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
                 fix="the fix rank 0's error names (every rank builds what rank 0 builds)"))
         if "each" in header:
             return None
-    graph = mine if groups.rank == 0 else graph_from_json(header["graph"])
+    graph = graph_from_json(header["graph"])
     resolved = Plan.from_json(header["plan"])
     graph.meta["constants"] = {}
-    for k, dtype, shape in header["constants"]:
-        here = data[k] if groups.rank == 0 else None
+    for i, (k, dtype, shape) in enumerate(header["constants"]):
+        here = torch.frombuffer(bytearray(data[i]), dtype=torch.uint8) if groups.rank == 0 else None
         graph.meta["constants"][k] = broadcast_tensor(groups, here, tuple(int(n) for n in shape),
                                                       DTYPES[dtype])
     return graph, resolved

@@ -1,9 +1,12 @@
-"""Rank 0 captures and plans for every rank (``shared_front``): the other ranks never run
-torch.export, still train as one device does, and hear of rank 0's errors instead of waiting."""
+"""Rank 0 captures and plans for every rank (``shared_front``), in a forked child: the other
+ranks never run torch.export, rank 0 keeps none of what it imports, every rank still trains as
+one device does, and hears of rank 0's errors instead of waiting."""
 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from tests.conftest import built
 from torchweave.runtime.launch import LaunchConfig, spawn
 
 
-def _one_step(ctx, model, inputs, plan: str, refuse_graph: bool):
+def _one_step(ctx, model, inputs, plan: str, refuse_graph: bool, in_process: bool = False):
     import torchweave.front as F
     import torchweave.parallel as P
 
@@ -24,30 +27,45 @@ def _one_step(ctx, model, inputs, plan: str, refuse_graph: bool):
         return real(*args, **kwargs)
 
     F._capture_once = counted
+    if in_process:
+        os.environ["TORCHWEAVE_CAPTURE_IN_PROCESS"] = "1"
     if refuse_graph and ctx.rank == 0:  # a graph the file format cannot hold: each rank captures
         def refuse(graph):
             raise ValueError("not in the format")
         F.graph_to_json = refuse
     pm = P.parallelize(copy.deepcopy(model), inputs, plan=plan, groups=ctx.groups)
     loss = pm.train_step(*inputs)
-    return len(captures), float(loss)
+    return len(captures), float(loss), "networkx" in sys.modules
+
+
+def _forks() -> bool:
+    from torchweave.runtime.forked import can_fork
+
+    return can_fork()
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("plan,refuse", [("dp", False), ("1f1b:pp=2,micro=2", False),
-                                         ("tp", True)])
-def test_only_rank_0_captures_and_every_rank_trains_as_one_device(plan, refuse) -> None:
+@pytest.mark.parametrize("plan,refuse,in_process", [
+    ("dp", False, False), ("1f1b:pp=2,micro=2", False, False), ("tp", True, False),
+    ("dp", False, True)])
+def test_only_rank_0_captures_and_every_rank_trains_as_one_device(plan, refuse, in_process) -> None:
     model, inputs = built("gpt-tiny")[:2]
     want = float(copy.deepcopy(model)(*inputs).detach())
     results = spawn(_one_step, LaunchConfig(world_size=2, timeout_s=60.0), model, inputs, plan,
-                    refuse)
-    counts = [c for c, _ in results]
-    assert counts[0] >= 1
+                    refuse, in_process)
+    counts = [c for c, _, _ in results]
+    imported = [x for _, _, x in results]
     if refuse:
         assert counts[1] >= 1, "rank 0 sent no graph: rank 1 captures for itself"
+        assert counts[0] >= 1, "rank 0's child could not send it either: rank 0 captured itself"
     else:
         assert counts[1] == 0, f"rank 1 captured {counts[1]} time(s)"
-    for _, loss in results:
+        if _forks() and not in_process:  # rank 0's child captured: rank 0 neither captured nor imported torch.export's
+            assert counts[0] == 0 and not imported[0], (counts, imported)
+        else:
+            assert counts[0] >= 1
+        assert not imported[1]
+    for _, loss, _ in results:
         if loss == loss:  # a pipeline's non-last rank may report no loss
             assert abs(loss - want) < 1e-5 * max(1.0, abs(want))
 
@@ -93,5 +111,5 @@ def test_constants_reach_every_rank() -> None:
     want = float(copy.deepcopy(model)(x).detach())
     results = spawn(_one_step, LaunchConfig(world_size=2, timeout_s=60.0), model, (x,), "dp", False)
     assert results[1][0] == 0
-    for _, loss in results:
+    for _, loss, _ in results:
         assert abs(loss - want) < 1e-6
