@@ -121,22 +121,18 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int, profile) -> dict[str,
     seen: dict[int, int] = {}
     record = _saved_bytes_hooks(exclude, seen)
     if module.zero_opt is not None and module.zero_opt.stage >= 3:
-        # ZeRO-3 installs its own pack hook (innermost wins): wrap it, and count what
-        # it leaves as a plain tensor (its gathered units are parameters).
-        inner = module.zero_opt.saved_tensor_hooks
+        # ZeRO-3 saves its gathered pieces by its own rule (runtime/zero3.py, a packer
+        # that forward_hooks applies): wrap it, and count what it leaves as a plain tensor
+        # (its gathered units are parameters).
+        stage3 = module.zero_opt.stage3
 
-        def composed(cast, _inner=inner):
-            h = _inner(cast)
+        def pack(t, _inner=stage3.pack):
+            x = _inner(t)
+            if x is None:
+                record(t)
+            return x
 
-            def pack(t):
-                x = h.pack_hook(t)
-                if x is t:
-                    record(t)
-                return x
-
-            return torch.autograd.graph.saved_tensors_hooks(pack, h.unpack_hook)
-
-        module.zero_opt.saved_tensor_hooks = composed
+        stage3.pack = pack  # the instance's, in place of the method
         module.backward_step(*batch)
     else:
         # Saved storages alive at once, at the peak: each saved tensor is held by a

@@ -133,15 +133,11 @@ def capture_and_resolve(model: torch.nn.Module, example_inputs: tuple[Any, ...],
 
 
 class _Unwritable(Exception):
-    """Rank 0's graph or plan does not fit their formats: it keeps its own objects."""
-
-    def __init__(self, why: str, graph: Graph, resolved: Plan) -> None:
-        super().__init__(why)
-        self.graph, self.resolved = graph, resolved
+    """Rank 0's graph or plan does not fit their formats: every rank captures for itself."""
 
 
 def _payload(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
-             world_size: int, micro_batches: int, precision: str) -> list[bytes]:
+             world_size: int, micro_batches: int, precision: str) -> list[bytearray]:
     """Rank 0's capture and plan as what the other ranks receive: the header (graph file, plan
     JSON, each constant's name, dtype and shape) and each constant's bytes. Both texts pass
     their loaders here first (what the others would refuse is not sent: ``_Unwritable``)."""
@@ -156,13 +152,35 @@ def _payload(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: Plan
         bad = [k for k, v in consts.items() if v.dtype not in DTYPES.values()]
         if bad:
             raise ValueError(f"constant {bad[0]} of dtype {consts[bad[0]].dtype}")
-        data = [as_bytes(v).numpy().tobytes() for v in consts.values()]
+        data = [bytearray(as_bytes(v).numpy()) for v in consts.values()]
     except Exception as exc:  # noqa: BLE001 - any graph the format cannot hold
-        raise _Unwritable(f"{type(exc).__name__}: {exc}"[:300], graph, resolved) from exc
+        raise _Unwritable(f"{type(exc).__name__}: {exc}"[:300]) from exc
     header = {"graph": text, "plan": plan_text,
               "constants": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
                             for k, v in consts.items()]}
-    return [json.dumps(header).encode(), *data]
+    return [bytearray(json.dumps(header).encode()), *data]
+
+
+def _told(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: PlanLike, *,
+          world_size: int, micro_batches: int, precision: str) -> list[bytearray]:
+    """What rank 0 tells every rank (:func:`_payload`'s parts), or the JSON that says it
+    could not: ``each`` (the format cannot hold the graph or plan) or ``error``."""
+    try:
+        return _payload(model, example_inputs, plan, world_size=world_size,
+                        micro_batches=micro_batches, precision=precision)
+    except _Unwritable as exc:
+        return [bytearray(json.dumps({"each": str(exc)}).encode())]
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on rank 0
+        return [bytearray(json.dumps({"error": type(exc).__name__, "text": str(exc)[:2000]}).encode())]
+
+
+def _from_rank0(header: dict) -> TorchweaveError:
+    said = " / ".join(line.strip() for line in str(header.get("text", "")).splitlines())
+    return TorchweaveError(Problem(
+        obj="rank 0's capture and plan", value=str(header["error"])[:100],
+        rule=f"rank 0 captures the model and resolves the plan for every rank; it "
+             f"stopped with: {said}",
+        fix="the fix rank 0's error names (every rank builds what rank 0 builds)"))
 
 
 def _import_dynamo() -> None:
@@ -187,11 +205,11 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     Rank 0 does the work in a forked child (:mod:`torchweave.runtime.forked`), so that
     what ``torch.export`` imports and caches does not stay in its memory (it imports
     ``torch._dynamo``, which the step needs too, before the fork); where it cannot fork,
-    or the child fails, it does the work itself (and raises what the child met).
+    or the child fails, it does the work itself.
 
-    Where rank 0 could not write its graph or plan in their formats, it keeps its
-    own and the others get None (each captures and resolves for itself). An error
-    on rank 0 reaches every rank.
+    Where rank 0 could not write its graph or plan in their formats, every rank
+    captures and resolves for itself (the others get None). An error on rank 0 reaches
+    every rank at once; rank 0 then raises the error itself.
     """
     if groups.world_size == 1 or not dist.is_initialized() or \
             dist.get_world_size() != groups.world_size:
@@ -199,36 +217,33 @@ def shared_front(model: torch.nn.Module, example_inputs: tuple[Any, ...], plan: 
     kw = dict(world_size=groups.world_size, micro_batches=micro_batches, precision=precision)
     if groups.rank == 0:
         _import_dynamo()  # before the fork: the child's capture reads it, not imports it again
-        parts = in_child(lambda: _payload(model, example_inputs, plan, **kw))
-        if parts is None:  # not forked, or the child failed: here, raising what it met
-            try:
-                parts = _payload(model, example_inputs, plan, **kw)
-            except _Unwritable as exc:
-                broadcast_text(groups, json.dumps({"each": str(exc)}))
-                return exc.graph, exc.resolved  # the others capture and resolve for themselves
-            except Exception as exc:
-                broadcast_text(groups, json.dumps({"error": type(exc).__name__, "text": str(exc)[:2000]}))
-                raise
-        text = parts[0].decode()
-        broadcast_text(groups, text)
+        # the others wait for rank 0 in a broadcast; a child stuck longer than any collective
+        # would wait (a lock another thread held at the fork) is killed, and rank 0 works here
+        limit = max(groups.timeout_s, dist.default_pg_timeout.total_seconds())
+        parts = in_child(lambda: _told(model, example_inputs, plan, **kw), timeout=limit)
+        if parts is None:  # not forked, or the fork or the child failed: here
+            parts = _told(model, example_inputs, plan, **kw)
+        text = bytes(parts[0]).decode()
+        broadcast_text(groups, text)  # what every rank is told, the error or "each" included
         header, data = json.loads(text), parts[1:]
+        if "error" in header:  # the others stop now; here, the error itself (with its type)
+            _payload(model, example_inputs, plan, **kw)
+            raise _from_rank0(header)  # raised in the child but not here: say what the child met
+        if "each" in header:  # the others capture and resolve for themselves, and so does rank 0
+            return capture_and_resolve(model, example_inputs, plan, **kw)
     else:
         _import_dynamo()
         header = json.loads(broadcast_text(groups, None))
         if "error" in header:
-            said = " / ".join(line.strip() for line in str(header.get("text", "")).splitlines())
-            raise TorchweaveError(Problem(
-                obj="rank 0's capture and plan", value=str(header["error"])[:100],
-                rule=f"rank 0 captures the model and resolves the plan for every rank; it "
-                     f"stopped with: {said}",
-                fix="the fix rank 0's error names (every rank builds what rank 0 builds)"))
+            raise _from_rank0(header)
         if "each" in header:
             return None
     graph = graph_from_json(header["graph"])
     resolved = Plan.from_json(header["plan"])
     graph.meta["constants"] = {}
     for i, (k, dtype, shape) in enumerate(header["constants"]):
-        here = torch.frombuffer(bytearray(data[i]), dtype=torch.uint8) if groups.rank == 0 else None
+        here = (torch.frombuffer(data[i], dtype=torch.uint8) if len(data[i]) else
+                torch.empty(0, dtype=torch.uint8)) if groups.rank == 0 else None
         graph.meta["constants"][k] = broadcast_tensor(groups, here, tuple(int(n) for n in shape),
                                                       DTYPES[dtype])
     return graph, resolved

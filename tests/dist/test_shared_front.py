@@ -35,13 +35,9 @@ def _one_step(ctx, model, inputs, plan: str, refuse_graph: bool, in_process: boo
         F.graph_to_json = refuse
     pm = P.parallelize(copy.deepcopy(model), inputs, plan=plan, groups=ctx.groups)
     loss = pm.train_step(*inputs)
-    return len(captures), float(loss), "networkx" in sys.modules
-
-
-def _forks() -> bool:
     from torchweave.runtime.forked import can_fork
 
-    return can_fork()
+    return len(captures), float(loss), "networkx" in sys.modules, can_fork()
 
 
 @pytest.mark.dist
@@ -53,19 +49,20 @@ def test_only_rank_0_captures_and_every_rank_trains_as_one_device(plan, refuse, 
     want = float(copy.deepcopy(model)(*inputs).detach())
     results = spawn(_one_step, LaunchConfig(world_size=2, timeout_s=60.0), model, inputs, plan,
                     refuse, in_process)
-    counts = [c for c, _, _ in results]
-    imported = [x for _, _, x in results]
+    counts = [c for c, _, _, _ in results]
+    imported = [x for _, _, x, _ in results]
+    forks = results[0][3]  # whether rank 0 could fork, as rank 0 saw it
     if refuse:
         assert counts[1] >= 1, "rank 0 sent no graph: rank 1 captures for itself"
         assert counts[0] >= 1, "rank 0's child could not send it either: rank 0 captured itself"
     else:
         assert counts[1] == 0, f"rank 1 captured {counts[1]} time(s)"
-        if _forks() and not in_process:  # rank 0's child captured: rank 0 neither captured nor imported torch.export's
+        if forks and not in_process:  # rank 0's child captured: rank 0 neither captured nor imported torch.export's
             assert counts[0] == 0 and not imported[0], (counts, imported)
         else:
             assert counts[0] >= 1
         assert not imported[1]
-    for _, loss, _ in results:
+    for _, loss, _, _ in results:
         if loss == loss:  # a pipeline's non-last rank may report no loss
             assert abs(loss - want) < 1e-5 * max(1.0, abs(want))
 
@@ -97,19 +94,20 @@ class Scaled(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
         self.scale = torch.tensor([1.0, 2.0, 3.0, 4.0])  # neither parameter nor buffer
         self.keep = torch.tensor([1, 0, 1, 1], dtype=torch.int16)  # a dtype gloo cannot send
+        self.none = torch.zeros(0, 4)  # no bytes at all
 
     def forward(self, x):
-        return (self.lin(x) * self.scale * self.keep).pow(2).mean()
+        return (self.lin(x) * self.scale * self.keep).pow(2).mean() + self.none.sum()
 
 
 @pytest.mark.dist
 def test_constants_reach_every_rank() -> None:
     """Lifted constants (plain tensor attributes read in forward) travel as bytes, whatever
-    their dtype (gloo has no int16 broadcast)."""
+    their dtype (gloo has no int16 broadcast), an empty one too."""
     torch.manual_seed(0)
     model, x = Scaled(), torch.randn(4, 4)
     want = float(copy.deepcopy(model)(x).detach())
     results = spawn(_one_step, LaunchConfig(world_size=2, timeout_s=60.0), model, (x,), "dp", False)
     assert results[1][0] == 0
-    for _, loss, _ in results:
+    for _, loss, _, _ in results:
         assert abs(loss - want) < 1e-6

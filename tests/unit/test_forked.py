@@ -21,7 +21,7 @@ def test_the_childs_parts_come_back_and_its_imports_stay_there() -> None:
         return [b"header", b"", bytes(range(256)) * 1000]
 
     got = forked.in_child(work)
-    assert got == [b"header", b"", bytes(range(256)) * 1000]
+    assert [bytes(p) for p in got] == [b"header", b"", bytes(range(256)) * 1000]
     assert name not in sys.modules
 
 
@@ -46,19 +46,40 @@ def test_a_child_after_parallel_work_here_does_not_hang() -> None:
             b = torch.randn(512, 512)
             return [str(float((b @ b).sum().isfinite())).encode(), str(torch.get_num_threads()).encode()]
 
-        assert forked.in_child(child_work) == [b"1.0", b"1"]
+        assert [bytes(p) for p in forked.in_child(child_work)] == [b"1.0", b"1"]
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("data", [b"", b"\x01\x00\x00\x00\x00\x00\x00\x00",
+def test_a_stuck_child_is_killed_after_the_timeout() -> None:
+    """A child that never answers (a lock another thread held at the fork) is killed and
+    reaped; the caller then does the work itself."""
+    import time
+
+    def stuck() -> list[bytes]:
+        time.sleep(600)
+        return [b"late"]
+
+    t0 = time.monotonic()
+    assert forked.in_child(stuck, timeout=1.0) is None
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00\x00\x00\x00\x00\x00\x00\x00", b"\x01\x00\x00\x00\x00\x00\x00\x00",
                                   b"\x01\x00\x00\x00\x00\x00\x00\x00\x09\x00\x00\x00\x00\x00\x00\x00abc",
                                   b"\x00\x00\x00\x00\x00\x00\x00\x00trailing"])
-def test_a_short_or_padded_message_is_refused(data: bytes) -> None:
-    assert forked._parts(data) is None
+def test_a_short_padded_or_empty_message_is_refused(data: bytes) -> None:
+    assert forked._parts(bytearray(data)) is None
 
 
 def test_the_env_switch_keeps_the_work_here(monkeypatch) -> None:
     monkeypatch.setenv(forked.ENV, "1")
     assert not forked.can_fork()
     assert forked.in_child(lambda: [b"x"]) is None
+
+
+def test_the_parts_are_views_torch_can_read_without_a_copy() -> None:
+    data = torch.arange(6, dtype=torch.float32)
+    got = forked.in_child(lambda: [b"h", bytearray(data.numpy())])
+    back = torch.frombuffer(got[1], dtype=torch.uint8).view(torch.float32)
+    assert torch.equal(back, data)
