@@ -156,8 +156,37 @@ def _measure_plan(ctx, plan: str, warmup: int, steps: int, profile) -> dict[str,
                 peak[0] = max(peak[0], sum(seen[q] for q, n in live.items() if n > 0))
             return held
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
-            module.backward_step(*batch)
+        # The rank's forward installs its own hooks where it saves a gathered activation as
+        # its shard (sequence parallelism, runtime/regather.py), and the innermost hooks
+        # are the only ones called: wrap them too, counting a shard where one is kept.
+        import torchweave.runtime.regather as regather
+
+        real = regather.saved_tensor_hooks
+
+        def wrapped(*packers):
+            inner = real(*packers)
+
+            def pack_inner(t):
+                x = inner.pack_hook(t)
+                if x is t:
+                    return pack(t)
+                if type(x) is regather._Packed and x.owner is regather.REGATHER:
+                    return _Both(x, pack(x.data[0].shard))
+                return x
+
+            def unpack_inner(x):
+                if isinstance(x, _Held):
+                    return x.t
+                return inner.unpack_hook(x.packed if isinstance(x, _Both) else x)
+
+            return torch.autograd.graph.saved_tensors_hooks(pack_inner, unpack_inner)
+
+        regather.saved_tensor_hooks = wrapped
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
+                module.backward_step(*batch)
+        finally:
+            regather.saved_tensor_hooks = real
         seen = {0: peak[0]}
     state = module.memory()
     module.optimizer_step()
@@ -169,6 +198,13 @@ class _Held:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
+
+
+class _Both:
+    """A tensor the rank's own hooks packed, with what holds the bytes it keeps."""
+
+    def __init__(self, packed, held: _Held) -> None:
+        self.packed, self.held = packed, held
 
 
 def _profiler(ctx, plan: str, passes: list[dict]):

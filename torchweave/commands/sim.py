@@ -118,7 +118,10 @@ def _profiles(setup: Setup, console: Console):
     (:func:`~torchweave.sim.hardware.profile.profile_sync`): every rank of such a plan
     computes at the same time, so the timings see the cores shared as training shares
     them. A pipeline's ranks do not (bubbles, waits for their stage's input): one
-    process times the ops, one thread, scaled by the ranks sharing each core."""
+    process times the ops, one thread, each time divided by the share of a core the
+    cluster gives a rank (``Cluster.share``: cores / ranks × what sharing costs), the
+    units :func:`~torchweave.sim.step.run.shared_cores_step` reads a rank's busy seconds
+    in."""
     from torchweave.sim.hardware.profile import OpProfiles, profile_graph
 
     cluster = setup.cluster
@@ -131,8 +134,11 @@ def _profiles(setup: Setup, console: Console):
         how = f"on {ranks} ranks at once"
     else:
         device = f"{cluster.device.name} on this machine, 1 thread"
-        # On a cluster calibrated here, ranks beyond the cores share them (as calibrate's rates do).
-        share = max(1.0, setup.plan.world_size / (os.cpu_count() or 1))
+        # On a cluster calibrated here, ranks beyond the cores share them: each op is as slow
+        # as the cluster makes a rank (its share of a core, ``Cluster.share``, with what
+        # sharing costs); a calibrated device without ``cores``, by the ranks per core
+        share = 1 / cluster.share if cluster.share < 1 else \
+            max(1.0, setup.plan.world_size / (os.cpu_count() or 1))
         profiles = OpProfiles.load(PROFILE_CACHE, device=device, scale=share if here else 1.0)
         before = torch.get_num_threads()
         torch.set_num_threads(1)
