@@ -192,9 +192,10 @@ def test_a_micro_batch_pays_each_collectives_latency_whole():
 
 def test_pipelines_on_shared_cores_are_priced_as_the_simulator_prices_them():
     """Ranks sharing one node's cores: a pipeline rank waiting in the bubble leaves its
-    cores to the others (``sim/step/run.shared_cores_step``). The estimate takes the same
-    bound, so on a compute-bound GPT at 4 ranks on 2 cores its pipelines stay within 5% of
-    the simulator, where the bubble-charging estimate is far over."""
+    cores to the others (``sim/step/run.shared_cores_step``, on the schedule's timeline).
+    The estimate applies the same rule to the schedule it runs (``timed.py``), so on a
+    compute-bound GPT at 4 ranks on 2 cores its pipelines stay within 5% of the simulator,
+    where the bubble-charging estimate is far over."""
     from dataclasses import replace
 
     g, cluster, blocks, px, timing = _cpu_gpt(4096, 128, 4, 256, "4xCPU-2core@4", tp=1)
@@ -207,8 +208,9 @@ def test_pipelines_on_shared_cores_are_priced_as_the_simulator_prices_them():
         est = estimate(pt, px, cluster, len(blocks), precision="fp32", schedule_s=priced)
         assert abs(est.step_s / res.step_time - 1) <= 0.05, (pt.spec, est.step_s, res.step_time)
         assert est.bubble_s < 0.5 * est.compute_s  # what the bubble still costs: little
+        assert priced.shared_s is not None and priced.shared_s < priced.step_s
         unshared = estimate(pt, px, replace(cluster, share=1.0), len(blocks), precision="fp32",
-                            schedule_s=priced)  # every rank held to its share
+                            schedule_s=replace(priced, shared_s=None))  # each held to its share
         assert unshared.step_s / res.step_time > 1.25, (pt.spec, unshared.step_s)
 
 

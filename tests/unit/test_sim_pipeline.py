@@ -326,3 +326,19 @@ def test_a_stages_collectives_run_once_a_micro_batch(split: str) -> None:
     flat = {m: simulate(g, PlanSpec.parse(f"1f1b:pp=4,micro={m}").build(g, 4), cluster,
                         timeline=False).comm_time for m in (2, 4)}
     assert flat[2] == flat[4]
+
+
+def test_a_schedule_on_shared_cores_lasts_its_moments_at_the_ranks_busy() -> None:
+    """``shared_cores_step`` by hand: two pipeline ranks (half the node each) at a share of
+    0.3 of a core; rank 0 computes over [0, 2], rank 1 over [1, 3]. While one computes
+    alone it runs at 0.3 / 0.5 = 0.6 of a core: each moment lasts max(0.3, busy) of
+    itself, 0.5 + 1 + 0.5 = 2 of the 3 simulated seconds. Two sets of costs at once."""
+    import numpy as np
+
+    from torchweave.sim.step.run import shared_cores_step
+
+    starts = np.array([[0.0, 0.0], [1.0, 3.0]])
+    ends = np.array([[2.0, 2.0], [3.0, 4.0]])  # the second set: rank 1 over [3, 4], a gap
+    got = shared_cores_step(starts, ends, np.array([[0.5], [0.5]]), 0.3)
+    assert got[0] == pytest.approx(0.5 + 1.0 + 0.5)
+    assert got[1] == pytest.approx(2 * 0.5 + 1 * 0.3 + 1 * 0.5)  # idle: as fast as the share

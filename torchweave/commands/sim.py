@@ -120,8 +120,9 @@ def _profiles(setup: Setup, console: Console):
     them. A pipeline's ranks do not (bubbles, waits for their stage's input): one
     process times the ops, one thread, each time divided by the share of a core the
     cluster gives a rank (``Cluster.share``: cores / ranks × what sharing costs), the
-    units :func:`~torchweave.sim.step.run.shared_cores_step` reads a rank's busy seconds
-    in."""
+    units the schedule is simulated in before
+    :func:`~torchweave.sim.step.run.shared_cores_step` lets ranks with work take the cores
+    of those waiting."""
     from torchweave.sim.hardware.profile import OpProfiles, profile_graph
 
     cluster = setup.cluster

@@ -57,7 +57,6 @@ from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import ComputeModel
 from torchweave.sim.hardware.memory import model_state_memory
-from torchweave.sim.step.run import shared_cores_step
 
 
 
@@ -175,10 +174,11 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     acts = px.block_act * f * per_rank_blocks * flight + px.rest_act * f
     memory = int(state.total + whole + acts + temps)
     step = work + bubble + sync + p2p + opt
-    if pt.pp > 1:  # ranks sharing one node's cores: those waiting in the bubble leave
-        # their cores to the others (the simulator's rule)
-        mean = pt.micro * (n_blocks * px.block_at(f) + px.rest_at(f)) / pt.pp + sync + opt
-        shared = shared_cores_step(cluster, pt.tp * pt.pp * pt.dp * pt.ep, step, (mean,))
+    if pt.pp > 1 and schedule_s is not None and schedule_s.shared_s is not None:
+        # ranks sharing one node's cores: those waiting in the bubble leave their cores to
+        # the others (the simulator's rule, on the schedule timed.py ran; a point priced
+        # without its schedule is held to its shares)
+        shared = step - (schedule_s.step_s - schedule_s.shared_s)
         bubble, step = max(0.0, bubble - (step - shared)), shared
     return Estimate(step, work, bubble, sync, p2p, opt, memory)
 

@@ -84,6 +84,10 @@ class Run:
     grads: dict[int, list[tuple[int, np.ndarray]]]
     """Per rank, its stages with the end of the last action that makes their gradients
     (B or W), in the order the rank runs those actions (the same for every ``K``)."""
+    starts: np.ndarray
+    """``[actions, K]``: when each action starts."""
+    finishes: np.ndarray
+    """``[actions, K]``: when each action ends."""
 
 
 def makespans(c: Compiled, fwd: np.ndarray, bwd: np.ndarray, hop: np.ndarray) -> Run:
@@ -95,6 +99,7 @@ def makespans(c: Compiled, fwd: np.ndarray, bwd: np.ndarray, hop: np.ndarray) ->
     clock = [zero] * c.ranks
     busy = [zero] * c.ranks
     end: list[np.ndarray] = []
+    start: list[np.ndarray] = []
     last: dict[int, tuple[int, int]] = {}  # stage -> (its last B or W action, its rank)
     for r, s, k, deps in zip(c.rank, c.stage, c.kind, c.deps):
         t = clock[r]
@@ -103,13 +108,15 @@ def makespans(c: Compiled, fwd: np.ndarray, bwd: np.ndarray, hop: np.ndarray) ->
         cost = costs[k][s]
         if k in (Kind.B, Kind.W):
             last[s] = (len(end), r)
+        start.append(t)
         end.append(t + cost)
         clock[r] = end[-1]
         busy[r] = busy[r] + cost
     grads: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
     for s, (i, r) in sorted(last.items(), key=lambda x: x[1][0]):
         grads[r].append((s, end[i]))
-    return Run(np.max(clock, axis=0), np.max(busy, axis=0), clock, dict(grads))
+    return Run(np.max(clock, axis=0), np.max(busy, axis=0), clock, dict(grads),
+               np.array(start).reshape(len(start), -1), np.array(end).reshape(len(end), -1))
 
 
 def exposed_sums(run: Run, seconds: np.ndarray, after: np.ndarray | None = None) -> np.ndarray:

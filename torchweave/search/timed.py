@@ -41,6 +41,7 @@ from torchweave.sim.hardware.cluster import Cluster
 from torchweave.sim.hardware.collective_cost import Collective, collective_time
 from torchweave.sim.hardware.compute import op_time
 from torchweave.sim.step.backward import Buckets
+from torchweave.sim.step.run import shared_cores, shared_cores_step
 
 @dataclass(frozen=True)
 class Priced:
@@ -53,6 +54,10 @@ class Priced:
     """How much the gradient sums over ``dp`` and of a tied weight's copies add to the step,
     each stage's starting once its gradients are made (None where the estimate's arithmetic
     prices them: with ZeRO, whose sums wait for the last action, or expert parallelism)."""
+    shared_s: float | None = None
+    """The schedule's seconds where its ranks share one node's cores, those waiting in the
+    bubble leaving theirs to the others (the simulator's rule,
+    :func:`~torchweave.sim.step.run.shared_cores_step`); None elsewhere."""
 
 
 def _with_comm(fwd: np.ndarray, bwd: np.ndarray, comm: float) -> tuple[np.ndarray, np.ndarray]:
@@ -252,12 +257,20 @@ class Timing:
                     if pt.dp > 1:
                         sums[:, k] = self._sums(pt, px, sh, n_blocks, pp if px.tied_copied else 0)
             exposed = exposed_sums(run, sums, tied)
+            shared = None
+            if self.cluster.share < 1:  # each action on its pipeline rank's group of ranks
+                group = np.array([[pt.dp * pt.tp * pt.ep / self.cluster.devices_per_node
+                                   for pt, _ in cols.values()]])
+                shared = shared_cores_step(run.starts, run.finishes,
+                                           np.broadcast_to(group, run.starts.shape), self.cluster.share)
             col = {c: k for k, c in enumerate(cols)}
             for pt, px in members:
                 k = col[(id(px), pt.dp, pt.tp * pt.ep)]
                 overlapped = pt.zero == 0 and pt.ep == 1
+                on_one = shared is not None and shared_cores(self.cluster, pp * pt.dp * pt.tp * pt.ep)
                 out[pt] = Priced(float(run.step[k]), float(run.busy[k]),
-                                 float(exposed[k]) if overlapped else None)
+                                 float(exposed[k]) if overlapped else None,
+                                 float(shared[k]) if on_one else None)
         return out
 
     def _sums(self, pt, px, sh: Shares, n_blocks: int, pp: int) -> np.ndarray:

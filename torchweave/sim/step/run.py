@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from torchweave.errors import Problem, SimError
@@ -145,7 +146,14 @@ def pipelined_result(plan: Plan, cluster: Cluster, step, finish, costs, memory, 
              f"bubble {step.bubble_fraction:.1%}, micro-batches in flight per pipeline rank "
              f"{[step.in_flight[i] for i in sorted(step.in_flight)]}",) + notes
     busy = tuple(step.busy[group_of[r]] + costs[r].tail for r in ranks)
-    shared = shared_cores_step(cluster, plan.world_size, total, busy)
+    if shared_cores(cluster, plan.world_size) and step.events:
+        spans = np.array([[t0, t1, len(pipe.groups[k]) / cluster.devices_per_node]
+                          for k, t0, t1, _ in step.events])
+        end = float(spans[:, 1].max())  # the schedule's; what follows (sums, AdamW) as it is
+        shared = float(shared_cores_step(spans[:, :1], spans[:, 1:2], spans[:, 2:3],
+                                         cluster.share)[0]) + (total - end)
+    else:
+        shared = total
     if shared != total:
         notes += (f"{cluster.devices_per_node} ranks share a node's cores: {total * 1e3:.4g} ms "
                   f"with each at its share, {shared * 1e3:.4g} ms as ranks waiting in the "
@@ -159,20 +167,36 @@ def pipelined_result(plan: Plan, cluster: Cluster, step, finish, costs, memory, 
         bubble=step.bubble_fraction, folded_blocks=folded_blocks)
 
 
-def shared_cores_step(cluster: Cluster, world: int, step: float, busy: tuple[float, ...]) -> float:
-    """A pipelined step of ``world`` ranks on one node whose ranks outnumber its cores
-    (``cluster.share < 1``; elsewhere, and on several nodes, ``step`` as it is), from
-    ``step``, simulated with every rank at its share of a core, and each rank's ``busy``
-    seconds at that share (the search passes its mean rank's alone). A
-    pipeline rank waits in the bubble; the operating system then runs the ranks that have
-    work on the cores it leaves, faster than their share. Two bounds remain: the node does
-    its ranks' work with all its cores, so no faster than the mean of their busy seconds
-    (``Σ busy · share / (cores · efficiency)``), and no rank runs faster than a whole core,
-    ``step · share``. The step is the larger (``docs/simulator.md``, "Ranks sharing
-    cores", has it against measured steps)."""
-    if cluster.share >= 1 or world > cluster.devices_per_node:
-        return step
-    return max(sum(busy) / len(busy), step * cluster.share)
+def shared_cores(cluster: Cluster, world: int) -> bool:
+    """Whether a pipeline of ``world`` ranks runs on one node whose ranks outnumber its
+    cores (``cluster.share < 1``): then :func:`shared_cores_step` times its schedule."""
+    return cluster.share < 1 and world <= cluster.devices_per_node
+
+
+def shared_cores_step(starts: np.ndarray, ends: np.ndarray, weight: np.ndarray,
+                      share: float) -> np.ndarray:
+    """A pipeline schedule's seconds on one node whose ranks outnumber its cores, from its
+    actions' ``starts`` and ``ends`` (``[actions, K]``, for ``K`` sets of costs at once),
+    simulated with every rank at its ``share`` of a core, and each action's ``weight``
+    (``[actions, 1]`` or ``[actions, K]``): the fraction of the node's ranks that run it
+    (its pipeline rank's group over the node's devices).
+
+    A pipeline rank waiting in the bubble leaves its cores to the ranks that have work, and
+    the operating system runs those faster than their share, up to a whole core each: while
+    a fraction ``b`` of the ranks compute, each runs at ``min(1, share / b)`` of a core
+    instead of ``share``, so that moment of the schedule lasts ``max(share, b)`` of itself
+    (``docs/simulator.md``, "Ranks sharing cores", has it against measured steps). Moments
+    where all compute stay as they are; the schedule's ramps and waits shrink (a wait for
+    a transfer alone, too, to ``share`` of itself: gloo's copies take the cores). The
+    moments are the schedule's as simulated at shares: shrinking each where it is keeps
+    every action's order, which is what the dependencies fix."""
+    times = np.concatenate([starts, ends])
+    order = np.argsort(times, axis=0, kind="stable")
+    moments = np.take_along_axis(times, order, axis=0)
+    delta = np.broadcast_to(np.concatenate([weight, -weight]), times.shape)
+    busy = np.minimum(1.0, np.cumsum(np.take_along_axis(delta, order, axis=0), axis=0))
+    lasts = np.maximum(share, busy[:-1]) * np.diff(moments, axis=0)
+    return lasts.sum(axis=0) + share * moments[0]
 
 
 def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float, ...],
