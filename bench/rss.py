@@ -22,7 +22,6 @@ Run: python bench/rss.py [--worlds 2 4] [--steps 4] [--only dp zb ...] [--readme
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from typing import Any, Callable
@@ -81,11 +80,9 @@ def _resident_mib() -> float:
 
 
 def _peak_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from torchweave.train.loop import peak_rss_mib  # VmHWM: this process image's own
+
+    return peak_rss_mib()
 
 
 def rank_main(ctx, pair: str, side: str, steps: int) -> dict[str, float]:
