@@ -46,6 +46,7 @@ import argparse
 import os
 import platform
 import statistics
+from collections import namedtuple
 import sys
 import tempfile
 import weakref
@@ -200,11 +201,7 @@ class _Held:
         self.t = t
 
 
-class _Both:
-    """A tensor the rank's own hooks packed, with what holds the bytes it keeps."""
-
-    def __init__(self, packed, held: _Held) -> None:
-        self.packed, self.held = packed, held
+_Both = namedtuple("_Both", "packed held")  # what the rank's own hooks packed; its bytes' holder
 
 
 def _profiler(ctx, plan: str, passes: list[dict]):
