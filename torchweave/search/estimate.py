@@ -131,11 +131,14 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
             else:  # after the flush; or, with tp (ep), the backward's tensor-parallel
                 sync = full  # (expert) collectives queue behind the buckets on the one comm stream
         else:  # ZeRO-1: one all-reduce after backward (ZeRO-2: a reduce-scatter), one gather
-            # of the updated shards after AdamW
-            coll = Collective.REDUCE_SCATTER if pt.zero == 2 else Collective.ALL_REDUCE
-            sync = sum(_seconds(cluster, coll, nbytes, group)
-                       + _seconds(cluster, Collective.ALL_GATHER, nbytes, group)
-                       for nbytes, group in sums)
+            # of the updated shards after AdamW, over the group ZeRO shards over (the largest,
+            # dp × ep: lower.program.zero_members); the experts' sums over dp keep theirs whole
+            for nbytes, group in sums:
+                owned = group == _dense_group(pt)
+                coll = Collective.REDUCE_SCATTER if pt.zero == 2 and owned else Collective.ALL_REDUCE
+                sync += _seconds(cluster, coll, nbytes, group)
+                if owned:
+                    sync += _seconds(cluster, Collective.ALL_GATHER, nbytes, group)
     p2p = 0.0
     if pt.pp > 1 and schedule_s is not None:  # transfers are among the schedule's waits
         work, bubble = schedule_s.busy_s, schedule_s.step_s - schedule_s.busy_s
@@ -153,12 +156,15 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         ends = tuple(q * size + j for q in (0, pt.pp - 1) for j in range(0, size, pt.tp))
         sync += _seconds(cluster, Collective.ALL_REDUCE, item * tied / (pt.tp * pt.ep), ends)
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
-    shard = 4 * elems / (pt.dp if pt.zero >= 1 else 1)  # AdamW's fp32 words
-    opt = 7 * shard / bw
     # a tied weight's copy on each pipeline rank that reads it is summed across stage
-    # groups, so ZeRO keeps it whole (sim/step/run.memory_use, runtime/zero.py)
+    # groups, and an expert's over dp alone: ZeRO keeps both whole (sim/step/run.memory_use,
+    # runtime/zero.py), and shards the rest over dp × ep
     kept = min(elems, tied // (pt.tp * pt.ep)) if pt.pp > 1 and px.tied_copied and pt.zero else 0
-    state = model_state_memory(elems - kept, dp=pt.dp, stage=pt.zero, precision=precision)
+    if pt.zero and pt.ep > 1:
+        kept = min(elems, kept + int(per_rank_blocks * px.expert_params))
+    shard = 4 * ((elems - kept) / (pt.dp * pt.ep) + kept if pt.zero >= 1 else elems)  # AdamW's
+    opt = 7 * shard / bw  # fp32 words
+    state = model_state_memory(elems - kept, dp=pt.dp * pt.ep, stage=pt.zero, precision=precision)
     whole = model_state_memory(kept, precision=precision).total
     temps = min(BUCKET_BYTES, param_bytes) if pt.zero == 0 else 0
     if pt.zero in (1, 2) and pt.dp > 1:

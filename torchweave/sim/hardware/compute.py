@@ -6,8 +6,13 @@
   dimension (matmul, attention, reductions: a name in the inputs that no output
   has) use the matrix rate of their dtype; other ops use the FP32 rate.
 - ``e_flops`` and ``e_bytes`` are the fractions of peak that real kernels
-  reach. Defaults: 0.6 of peak FLOP/s for contracting ops, 0.8 of peak memory
-  bandwidth; a device whose rates were measured (``rates="measured"``) gets 1.
+  reach, each device's as published measurements give them
+  (``Device.matmul_efficiency``, ``Device.bandwidth_efficiency``: large BF16
+  matmuls, BabelStream's Triad; the sources are in the catalog and
+  docs/simulator.md). Ops that contract no dimension are charged at the FP32
+  peak itself (no measurement of theirs was found, and they are bound by memory
+  in every model here). A device whose rates were measured
+  (``rates="measured"``) gets 1 throughout.
 - Views (``view``, ``transpose``, …) move no data and cost nothing.
 - Backward: ``bwd_flops`` at the same rate, and twice the forward's bytes
   (it reads the output gradient and the inputs, and writes input gradients).
@@ -34,12 +39,14 @@ from torchweave.sim.hardware.devices import Device, Precision
 class ComputeModel:
     """Efficiency factors and switches of the roofline."""
 
-    matmul: float = 0.6
-    """Fraction of peak FLOP/s reached by ops that contract a dimension."""
-    vector: float = 0.6
+    matmul: float = 1.0
+    """Fraction of peak FLOP/s reached by ops that contract a dimension
+    (:meth:`for_device`: the device's ``matmul_efficiency``)."""
+    vector: float = 1.0
     """Fraction of the FP32 peak reached by other ops (rarely the bound)."""
-    bandwidth: float = 0.8
-    """Fraction of peak memory bandwidth reached."""
+    bandwidth: float = 1.0
+    """Fraction of peak memory bandwidth reached (:meth:`for_device`: the device's
+    ``bandwidth_efficiency``)."""
     tf32: bool = False
     """fp32 matmuls run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``;
     off by default in PyTorch)."""
@@ -56,7 +63,7 @@ class ComputeModel:
 
     def __post_init__(self) -> None:
         problems = [Problem(obj=f"ComputeModel.{name}", value=repr(getattr(self, name)),
-                            rule="an efficiency is in (0, 1]", fix="e.g. 0.6")
+                            rule="an efficiency is in (0, 1]", fix="e.g. 0.8")
                     for name in ("matmul", "vector", "bandwidth")
                     if not 0 < getattr(self, name) <= 1]
         if self.bwd_bytes < 0:
@@ -67,10 +74,10 @@ class ComputeModel:
 
     @staticmethod
     def for_device(device: Device) -> "ComputeModel":
-        """Defaults; factors of 1 where the device's rates were measured."""
+        """The device's published efficiencies; factors of 1 where its rates were measured."""
         if device.rates == "measured":
-            return ComputeModel(matmul=1.0, vector=1.0, bandwidth=1.0)
-        return ComputeModel()
+            return ComputeModel()
+        return ComputeModel(matmul=device.matmul_efficiency, bandwidth=device.bandwidth_efficiency)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -80,6 +80,23 @@ class Link:
             raise SimError(problems, header=f"bad link {self.kind or ''}".rstrip())
 
 
+MAMF = ("S. Bekman, Machine Learning Engineering Open Book, 'Maximum Achievable Matmul FLOPS "
+        "comparison table' (BF16 torch.mm, best shape of a sweep, mean of 100 iterations; "
+        "github.com/stas00/ml-engineering, compute/accelerator/README.md, read 2026-12-08)")
+"""The published measurement every GPU's ``matmul_efficiency`` comes from."""
+BABELSTREAM = ("BabelStream Triad (T. Deakin, S. McIntosh-Smith et al., University of Bristol) as "
+               "run and published by HPC sites: ALCF Polaris, A100-SXM4-40GB, 1,377 GB/s "
+               "(argonne-lcf/ALCFBeginnersGuide, polaris/02_profiling.md); EPCC Tursa, "
+               "A100-SXM4-80GB, 1,725 GB/s (Tursa BabelStream benchmark README)")
+"""The published measurements every GPU's ``bandwidth_efficiency`` comes from."""
+MATMUL_EFFICIENCY = 0.803
+"""The median of the NVIDIA rows of :data:`MAMF` (86.9, 83.8, 81.1, 80.3, 78.6, 77.6, 72.9%
+of peak): the matmul efficiency of a device that table has no row of."""
+BANDWIDTH_EFFICIENCY = round((1377.4 / 1555 + 1724.8 / 2039) / 2, 3)
+"""The mean of the two :data:`BABELSTREAM` fractions (0.886 and 0.846): the bandwidth
+efficiency of a device without a measurement of its own."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Device:
     """One accelerator (or one CPU rank) and the node it typically sits in."""
@@ -109,6 +126,16 @@ class Device:
     by real work (factors default to 1)."""
     sources: tuple[str, ...]
     """Where the numbers come from, by title."""
+    matmul_efficiency: float = MATMUL_EFFICIENCY
+    """Fraction of the matrix peak that large, well-shaped matmuls reach on this device,
+    as measured and published (its source is in ``sources``). Default: the median of the
+    NVIDIA rows of the measured table this comes from, for devices it has no row of
+    (:data:`MATMUL_EFFICIENCY`). Ignored where ``rates`` is ``measured``."""
+    bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
+    """Fraction of the memory bandwidth a streaming kernel reaches on this device
+    (BabelStream's Triad), as measured and published. Default: the mean of the two A100
+    measurements found (:data:`BANDWIDTH_EFFICIENCY`). Ignored where ``rates`` is
+    ``measured``."""
     comm_overlaps_compute: bool = True
     """Whether collectives run beside compute (a GPU's copy engines and NICs,
     NCCL's own SMs). ``False`` where they take the same core as compute (gloo on
@@ -151,6 +178,11 @@ class Device:
             problems.append(Problem(obj=f"{where}.shared_efficiency",
                                     value=repr(self.shared_efficiency), rule="in (0, 1]",
                                     fix="measure it with torchweave calibrate, or leave 1"))
+        for name in ("matmul_efficiency", "bandwidth_efficiency"):
+            if getattr(self, name) > 1:  # (not > 0 is positive_problems')
+                problems.append(Problem(obj=f"{where}.{name}", value=repr(getattr(self, name)),
+                                        rule="a fraction of the peak, in (0, 1]",
+                                        fix="give a measured fraction, e.g. 0.8"))
         if not self.sources:
             problems.append(Problem(obj=f"{where}.sources", value="()",
                                     rule="every device cites where its numbers come from",
@@ -183,13 +215,25 @@ _HOPPER_PEAK = Peak(fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS
 _GA102_PEAK = Peak(fp32=35.6 * TFLOPS, tf32=35.6 * TFLOPS, bf16=71 * TFLOPS, fp16=71 * TFLOPS)
 _GA102 = "NVIDIA Ampere GA102 GPU Architecture whitepaper (2020), RTX 3090 column"
 
+_MAMF_A100 = f"matmul efficiency: {MAMF}, row 'NVIDIA A100 SXM' (271.2 of 312 TFLOP/s)"
+_MAMF_H100 = (f"matmul efficiency: {MAMF}, row 'NVIDIA H100 SXM' (794.5 of 989 TFLOP/s; the "
+              "table notes 'H200 is the same')")
+_BABEL_A100_40 = f"bandwidth efficiency: {BABELSTREAM}; this device's run, 1,377.4 of 1,555 GB/s"
+_BABEL_A100_80 = f"bandwidth efficiency: {BABELSTREAM}; this device's run, 1,724.8 of 2,039 GB/s"
+_GENERIC_BANDWIDTH = ("bandwidth efficiency: no published measurement of this device found; the "
+                      "mean of two A100 BabelStream runs (docs/simulator.md, 'Cost model')")
+_GENERIC_EFFICIENCY = ("matmul and bandwidth efficiency: no published measurement of this device "
+                       "found; the median of the NVIDIA rows of the MAMF table, the mean of two "
+                       "A100 BabelStream runs (docs/simulator.md, 'Cost model')")
+
 _ENTRIES = (
     Device(
         name="V100-32GB-SXM2", description="NVIDIA Tesla V100 SXM2 32GB (Volta)",
         peak=Peak(fp32=15.7 * TFLOPS, fp16=125 * TFLOPS),
         memory_bytes=32 * GiB, memory_bandwidth=900 * GB, intra=_NVLINK2, inter=_EDR_4X100,
         node_size=8, price_per_hour=2.0,
-        sources=("NVIDIA Tesla V100 GPU Architecture whitepaper (2017)",
+        
+        sources=(_GENERIC_EFFICIENCY, "NVIDIA Tesla V100 GPU Architecture whitepaper (2017)",
                  "NVIDIA Tesla V100 GPU datasheet (2020)",
                  "NVIDIA DGX-1 with Tesla V100 System Architecture whitepaper (2017)"),
     ),
@@ -197,26 +241,30 @@ _ENTRIES = (
         name="A100-40GB-SXM", description="NVIDIA A100 SXM4 40GB (Ampere)",
         peak=_A100_PEAK, memory_bytes=40 * GiB, memory_bandwidth=1555 * GB,
         intra=_NVLINK3, inter=_HDR_8X200, node_size=8, price_per_hour=2.0,
-        sources=(_AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
+        matmul_efficiency=0.869, bandwidth_efficiency=round(1377.4 / 1555, 3),
+        sources=(_MAMF_A100, _BABEL_A100_40, _AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
     ),
     Device(
         name="A100-80GB-SXM", description="NVIDIA A100 SXM4 80GB (Ampere)",
         peak=_A100_PEAK, memory_bytes=80 * GiB, memory_bandwidth=2039 * GB,
         intra=_NVLINK3, inter=_HDR_8X200, node_size=8, price_per_hour=2.5,
-        sources=(_AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
+        matmul_efficiency=0.869, bandwidth_efficiency=round(1724.8 / 2039, 3),
+        sources=(_MAMF_A100, _BABEL_A100_80, _AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
     ),
     Device(
         name="A100-80GB-PCIe", description="NVIDIA A100 PCIe 80GB (Ampere), no NVLink bridge",
         peak=_A100_PEAK, memory_bytes=80 * GiB, memory_bandwidth=1935 * GB,
         intra=_PCIE4, inter=_HDR_4X200, node_size=8, price_per_hour=2.0,
-        sources=(_AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)",
+        matmul_efficiency=0.811,
+        sources=(f"matmul efficiency: {MAMF}, row 'NVIDIA A100 PCIe' (252.9 of 312 TFLOP/s); bandwidth: no measurement of this device found, the mean of two A100 BabelStream runs", _AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)",
                  "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
     ),
     Device(
         name="H100-80GB-SXM", description="NVIDIA H100 SXM5 80GB (Hopper)",
         peak=_HOPPER_PEAK, memory_bytes=80 * GiB, memory_bandwidth=3350 * GB,
         intra=_NVLINK4, inter=_NDR_8X400, node_size=8, price_per_hour=3.5,
-        sources=("NVIDIA H100 Tensor Core GPU datasheet (2023)",
+        matmul_efficiency=0.803,
+        sources=(_MAMF_H100, _GENERIC_BANDWIDTH, "NVIDIA H100 Tensor Core GPU datasheet (2023)",
                  "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022)",
                  "NVIDIA DGX H100 System User Guide (2023)"),
     ),
@@ -224,14 +272,16 @@ _ENTRIES = (
         name="H200-141GB-SXM", description="NVIDIA H200 SXM 141GB (Hopper, HBM3e)",
         peak=_HOPPER_PEAK, memory_bytes=141 * GiB, memory_bandwidth=4800 * GB,
         intra=_NVLINK4, inter=_NDR_8X400, node_size=8, price_per_hour=4.0,
-        sources=("NVIDIA H200 Tensor Core GPU datasheet (2024)",
+        matmul_efficiency=0.803,
+        sources=(_MAMF_H100, _GENERIC_BANDWIDTH, "NVIDIA H200 Tensor Core GPU datasheet (2024)",
                  "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022)"),
     ),
     Device(
         name="RTX3090", description="NVIDIA GeForce RTX 3090 24GB, PCIe only (no peer-to-peer)",
         peak=_GA102_PEAK, memory_bytes=24 * GiB, memory_bandwidth=936 * GB,
         intra=_PCIE4, inter=_ETH100_PER8, node_size=8, price_per_hour=0.4,
-        sources=(_GA102, "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
+        
+        sources=(_GENERIC_EFFICIENCY, _GA102, "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
     ),
     Device(
         name="RTX3090-NVLink",
@@ -242,7 +292,8 @@ _ENTRIES = (
                    kind="NVLink 3 bridge, 4 links (112.5 GB/s both directions)"),
         inter=Link(bandwidth=12.5 * GB / 2, latency=50e-6, kind="1x100 Gb/s Ethernet per 2-GPU node"),
         node_size=2, price_per_hour=0.4,
-        sources=(_GA102, "NVIDIA GeForce RTX 3090 product specifications (NVLink bridge)"),
+        
+        sources=(_GENERIC_EFFICIENCY, _GA102, "NVIDIA GeForce RTX 3090 product specifications (NVLink bridge)"),
     ),
     Device(
         name="RTX4090", description="NVIDIA GeForce RTX 4090 24GB (Ada), PCIe only",
@@ -250,7 +301,8 @@ _ENTRIES = (
                   fp16=165.2 * TFLOPS, fp8=330.3 * TFLOPS),
         memory_bytes=24 * GiB, memory_bandwidth=1008 * GB, intra=_PCIE4, inter=_ETH100_PER8,
         node_size=8, price_per_hour=0.7,
-        sources=("NVIDIA Ada GPU Architecture whitepaper (2022), RTX 4090 column",
+        
+        sources=(_GENERIC_EFFICIENCY, "NVIDIA Ada GPU Architecture whitepaper (2022), RTX 4090 column",
                  "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
     ),
     Device(
@@ -264,7 +316,8 @@ _ENTRIES = (
         inter=Link(bandwidth=4 * 25 * GB / 8, latency=15e-6,
                    kind="4x200 Gb/s HPE Slingshot-11 per 8-GCD node (LUMI-G, Frontier)"),
         node_size=8, price_per_hour=1.0,
-        sources=("AMD Instinct MI250 Accelerator datasheet (2021)",
+        matmul_efficiency=0.604,
+        sources=(f"matmul efficiency: no MI250 row in {MAMF}; the median of its AMD rows (MI355X 68.0, MI325X 60.4, MI300X 51.4%); bandwidth: the mean of two A100 BabelStream runs (no AMD measurement found)", "AMD Instinct MI250 Accelerator datasheet (2021)",
                  "Introducing AMD CDNA 2 Architecture whitepaper (2021)",
                  "HPE Cray EX235a compute blade (LUMI-G) node description"),
     ),
