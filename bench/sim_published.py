@@ -10,7 +10,7 @@ file), plan string and cluster string, in bf16, and nothing else: the
 script calls the same library functions the command calls (capture on the
 meta device, ``torchweave.search.resolve``, ``torchweave.sim.simulate``) and
 prints, for each row, the command that reproduces it. The cost model runs
-with its default factors; nothing is fitted to these runs.
+with each device's published efficiency factors; nothing is fitted to these runs.
 
 Throughput is the simulator's: MFU is its ``mfu`` (model FLOPs, forward and
 backward once, over step time and peak). Narayanan et al. count hardware

@@ -55,9 +55,8 @@ class Compiled:
     def zero_group(self, rank: int) -> tuple[int, ...] | None:
         if not self.plan.zero:
             return None
-        mesh = self.plan.mesh
-        assert mesh is not None and self.plan.zero_axis is not None
-        return next(g for g in mesh.groups(self.plan.zero_axis) if rank in g)
+        assert self.plan.mesh is not None and self.plan.zero_axis is not None
+        return self.plan.zero_group(rank)
 
 
 def model_state(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]:

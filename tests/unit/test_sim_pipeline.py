@@ -270,7 +270,7 @@ def test_zero_keeps_a_tied_weights_copies_whole_in_the_memory_model() -> None:
             own = [math.prod(b - a for a, b in s.box) for s in prog.params if not s.is_buffer]
             copy = sum(math.prod(b - a for a, b in s.box) for s in prog.params if s.copied)
             assert copy == 4096 * 1024  # wte on both pipeline ranks
-            dp = zero_group(plan, prog, prog.rank)
+            dp = zero_group(plan, prog.rank)
             assert dp == 2
             sharded = model_state_memory(sum(own) - copy, dp=dp, stage=zero)
             whole = model_state_memory(copy)

@@ -56,6 +56,7 @@ CASES = [
     ("interleaved:pp=2,tp=4,dp=8,micro=8,virtual=2,recompute=selective", 128, "A100"),
     ("1f1b:pp=4,tp=4,dp=4,micro=8,zero=1,split=sequence", 128, "A100"),
     ("zb:pp=4,tp=2,dp=8,micro=8,zero=2", 128, "A100"),
+    ("1f1b:pp=4,tp=2,dp=8,micro=8,zero=2,split=sequence", 128, "A100"),  # norms: all-reduced
     ("1f1b:pp=4,tp=4,dp=4,micro=8,recompute=full", 128, "CPU"),
     # 12.6 MB of gradients a block: several 25 MiB buckets a rank, rebucketed.
     ("1f1b:pp=4,dp=16,micro=4", 512, "A100"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -270,15 +271,22 @@ class Program:
         return [i for i in self.instrs if isinstance(i, Compute)]
 
 
-def zero_members(slots, rank: int, pipeline=None) -> tuple[int, ...]:
-    """The group a ZeRO plan shards ``rank``'s pieces over: the largest gradient group of its
-    parameter pieces, leaving out a group that spans several of ``pipeline``'s stage groups
-    (a tied weight's copies, summed over every stage that holds them: the runtime's ZeRO
-    owns only the pieces of its mesh group, ``runtime/zero.py``). ``()`` where none."""
-    where = {d: k for k, g in enumerate(pipeline.groups) for d in g} if pipeline is not None else {}
-    out: tuple[int, ...] = ()
-    for s in slots:
-        for g in s.grad_groups:
-            if rank in g and len(g) > len(out) and len({where.get(d) for d in g}) == 1:
-                out = tuple(g)
-    return out
+def zero_owns(slot, group: tuple[int, ...]) -> bool:
+    """Whether a ZeRO plan sharding over ``group`` (``Plan.zero_group``) owns ``slot``: its
+    gradient is summed over that group. What it does not own (a tied weight's copies, summed
+    across stage groups; an expert's, summed over dp alone where ZeRO shards over dp × ep)
+    keeps its whole gradient and optimizer state (``runtime/zero.py``)."""
+    return bool(group) and tuple(group) in (tuple(g) for g in slot.grad_groups)
+
+
+def optimizer_numels(slots, group: tuple[int, ...]) -> list[int]:
+    """The tensors a rank's optimizer steps, by element count: with ZeRO over ``group``, one
+    flat shard of what it owns (``runtime/zero.py``), then each parameter it keeps whole;
+    without, each trainable parameter piece (what ``torchweave calibrate``'s op profiles key
+    the AdamW step by)."""
+    trainable = [s for s in slots if s.requires_grad and not s.is_buffer]
+    each = [math.prod(b - a for a, b in s.box) for s in trainable]
+    if len(group) <= 1:
+        return each
+    owned = sum(n for n, s in zip(each, trainable) if zero_owns(s, group))
+    return [owned // len(group)] + [n for n, s in zip(each, trainable) if not zero_owns(s, group)]

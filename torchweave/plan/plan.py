@@ -129,6 +129,15 @@ class Plan:
     def num_pieces(self, node: str) -> int:
         return math.prod(t.parts for t in self.transforms(node))
 
+    def zero_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks ZeRO shards ``rank``'s state over: its group along ``zero_axis``
+        (``()`` without ZeRO). The runtime builds its sharded optimizer on this group and
+        the simulator prices and counts memory by it; what a parameter's gradient is not
+        summed over it stays whole (``lower.program.zero_owns``)."""
+        if not self.zero or self.zero_axis is None or self.mesh is None:
+            return ()
+        return next(tuple(g) for g in self.mesh.groups(self.zero_axis) if rank in g)
+
     def pieces(self, node: str) -> Iterator[PieceIndex]:
         return itertools.product(*(range(t.parts) for t in self.transforms(node)))
 

@@ -51,6 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from torchweave.lower.program import zero_owns
 from torchweave.lower.units import UNIT_BYTES, group_units, unit_key
 from torchweave.runtime.collectives import all_gather_single, reduce_scatter_single
 from torchweave.runtime.counter import CommKind, Direction
@@ -148,7 +149,7 @@ class ZeroOptimizer:
         self.group_cache, self.group, self.stage = group_cache, tuple(group), stage
         self.pg = group_cache.get(self.group)
         self.size, self.index = len(group), list(group).index(group_cache.rank)
-        owned = [(p, slot) for p, slot in trainable if self.group in slot.grad_groups]
+        owned = [(p, slot) for p, slot in trainable if zero_owns(slot, self.group)]
         if order:
             first = {path: k for k, path in enumerate(order)}
             owned.sort(key=lambda ps: first.get(ps[1].path, len(first)))

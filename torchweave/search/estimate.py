@@ -112,14 +112,23 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
     # simulator's tasks do: sim/step/build.py ``itemsize``).
     item = 2 if precision == "bf16-mixed" else 4
     param_bytes = item * elems
+    # ZeRO shards over the dp group (``Plan.zero_group``; none where dp is 1) what is summed
+    # over it; a tied weight's copies (summed across stages too) and, with ep, what is not an
+    # expert (summed over dp × ep) keep whole gradients and optimizer state, as the runtime
+    # runs them (lower.program.zero_owns)
+    zero = pt.zero if pt.dp > 1 else 0
+    tied = px.tied - (px.tied_sent if pt.tied == "send" else 0)  # send: its lookups' tables uncopied
+    kept_tied = min(elems, tied // (pt.tp * pt.ep)) if pt.pp > 1 and px.tied_copied and zero else 0
+    experts_elems = int(per_rank_blocks * px.expert_params)
+    owned = experts_elems if pt.ep > 1 else elems - kept_tied
     sync = 0.0
     if pt.dp > 1:
         # (bytes, group) of each gradient sum over data parallelism: with ``ep``, the experts'
         # over their dp replicas, the rest over dp × ep (its sum within ep is the proxy's).
-        experts = item * int(per_rank_blocks * px.expert_params)
+        experts = item * experts_elems
         sums = [(param_bytes - experts, _dense_group(pt)), (experts, _dp_group(pt, cluster))]
         sums = [(b, g) for b, g in sums if b > 0]
-        if pt.zero == 0:
+        if zero == 0:
             full = last = 0.0
             for nbytes, group in sums:
                 n = max(1, math.ceil(nbytes / BUCKET_BYTES))
@@ -130,15 +139,15 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
                 sync = max(last, full - backward)
             else:  # after the flush; or, with tp (ep), the backward's tensor-parallel
                 sync = full  # (expert) collectives queue behind the buckets on the one comm stream
-        else:  # ZeRO-1: one all-reduce after backward (ZeRO-2: a reduce-scatter), one gather
-            # of the updated shards after AdamW, over the group ZeRO shards over (the largest,
-            # dp × ep: lower.program.zero_members); the experts' sums over dp keep theirs whole
+        else:  # ZeRO-1: one all-reduce after backward (ZeRO-2: a reduce-scatter of what it
+            # owns), one gather of the updated shards after AdamW
             for nbytes, group in sums:
-                owned = group == _dense_group(pt)
-                coll = Collective.REDUCE_SCATTER if pt.zero == 2 and owned else Collective.ALL_REDUCE
+                if group != _dp_group(pt, cluster):  # summed over dp × ep: kept whole
+                    sync += _seconds(cluster, Collective.ALL_REDUCE, nbytes, group)
+                    continue
+                coll = Collective.REDUCE_SCATTER if zero == 2 else Collective.ALL_REDUCE
                 sync += _seconds(cluster, coll, nbytes, group)
-                if owned:
-                    sync += _seconds(cluster, Collective.ALL_GATHER, nbytes, group)
+                sync += _seconds(cluster, Collective.ALL_GATHER, item * owned, group)
     p2p = 0.0
     if pt.pp > 1 and schedule_s is not None:  # transfers are among the schedule's waits
         work, bubble = schedule_s.busy_s, schedule_s.step_s - schedule_s.busy_s
@@ -148,7 +157,6 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         hop = px.boundary_bytes * f / (max(pt.tp, 1) * pt.ep)
         link = cluster.inter if pt.tp * pt.dp * pt.ep >= cluster.devices_per_node else cluster.intra
         p2p = 2 * (pt.pp - 1) * (link.latency + hop / link.bandwidth)
-    tied = px.tied - (px.tied_sent if pt.tied == "send" else 0)  # send: its lookups' tables uncopied
     if pt.pp > 1 and tied and px.tied_copied and (schedule_s is None or schedule_s.sums_s is None):
         # the tied copies' sum between the first and the last stage (timed.py prices it
         # among the stages' sums where those overlap the schedule)
@@ -156,18 +164,13 @@ def estimate(pt: Point, px: Proxy, cluster: Cluster, n_blocks: int, *, precision
         ends = tuple(q * size + j for q in (0, pt.pp - 1) for j in range(0, size, pt.tp))
         sync += _seconds(cluster, Collective.ALL_REDUCE, item * tied / (pt.tp * pt.ep), ends)
     bw = cluster.device.memory_bandwidth * ComputeModel.for_device(cluster.device).bandwidth
-    # a tied weight's copy on each pipeline rank that reads it is summed across stage
-    # groups, and an expert's over dp alone: ZeRO keeps both whole (sim/step/run.memory_use,
-    # runtime/zero.py), and shards the rest over dp × ep
-    kept = min(elems, tied // (pt.tp * pt.ep)) if pt.pp > 1 and px.tied_copied and pt.zero else 0
-    if pt.zero and pt.ep > 1:
-        kept = min(elems, kept + int(per_rank_blocks * px.expert_params))
-    shard = 4 * ((elems - kept) / (pt.dp * pt.ep) + kept if pt.zero >= 1 else elems)  # AdamW's
-    opt = 7 * shard / bw  # fp32 words
-    state = model_state_memory(elems - kept, dp=pt.dp * pt.ep, stage=pt.zero, precision=precision)
+    kept = elems - owned if zero else 0
+    shard = 4 * (owned / pt.dp + kept if zero else elems)  # AdamW's fp32 words
+    opt = 7 * shard / bw
+    state = model_state_memory(owned if zero else elems, dp=pt.dp, stage=zero, precision=precision)
     whole = model_state_memory(kept, precision=precision).total
-    temps = min(BUCKET_BYTES, param_bytes) if pt.zero == 0 else 0
-    if pt.zero in (1, 2) and pt.dp > 1:
+    temps = min(BUCKET_BYTES, param_bytes) if zero == 0 else 0
+    if zero in (1, 2):
         temps = model_state_memory(elems - kept, precision=precision).grads
     if pt.pp == 1:
         flight = 1.0

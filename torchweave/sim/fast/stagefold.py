@@ -62,7 +62,7 @@ from torchweave.sim.hardware.memory import model_state_memory
 from torchweave.sim.step.backward import Buckets
 from torchweave.sim.step.build import Builder
 from torchweave.sim.step.pipelined import RankCosts, Sums, rank_costs, run_pipeline
-from torchweave.sim.step.run import memory_use, pipeline_activations, pipelined_result, zero_group
+from torchweave.sim.step.run import memory_use, pipeline_activations, pipelined_result
 from torchweave.sim.step.signals import grad
 
 
@@ -111,8 +111,9 @@ class _Small:
     grads: dict[int, list[tuple[str, tuple[int, ...], float, frozenset[int], int | None]]]
     """Per rank: (parameter, group, bytes, stages making its gradient, block) in the
     order backward reaches them."""
-    zero_group: dict[int, int]
-    """Per rank: the largest group its ZeRO shards are over (the full plan's size)."""
+    zero_group: dict[int, tuple[int, ...]]
+    """Per rank: the group its ZeRO shards are over (``Plan.zero_group`` of the small plan,
+    whose data-parallel degree is the full plan's); ``()`` without ZeRO."""
 
 
 def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShape, k: int, *,
@@ -138,7 +139,7 @@ def _simulate_small(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShap
     ranks = sorted(costs)
     mem = memory_use(sized, programs, feet, ranks, dtype, {r: 0 for r in ranks})
     return _Small(costs, dict(zip(ranks, mem)), feet, sum(c.model_flops for c in builder.costs.values()),
-                  builder, grads, {p.rank: zero_group(sized, p, p.rank) for p in programs})
+                  builder, grads, {p.rank: sized.zero_group(p.rank) for p in programs})
 
 
 def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageShape, *,
@@ -204,8 +205,10 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                 grp = moved(y.group or x.group)
                 return Sums(count, size, count * builder.comm(coll, size / count, grp), grp)
 
-            # ZeRO-2 reduce-scatters what it owns; a tied weight's copies (a group across
-            # stage groups) are all-reduced
+            # ZeRO-2 reduce-scatters what it owns (what its group sums); the rest (a tied
+            # weight's copies, across stage groups; a norm's under sequence parallelism,
+            # over tp × dp) is all-reduced
+            zgroup = two.zero_group[r2]
             sync = Collective.REDUCE_SCATTER if plan.zero >= 2 else Collective.ALL_REDUCE
             syncs = {}
             for key in a.syncs.keys() | b.syncs.keys():
@@ -213,7 +216,7 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
                 full_stages = frozenset(to_full[s] for s in stages)
                 nb = sum(n[s] for s in full_stages) if stages else blocks
                 got = resum(a.syncs.get(key), b.syncs.get(key), nb, len(stages) if stages else v,
-                            sync if len({d // g for d in grp}) == 1 else Collective.ALL_REDUCE)
+                            sync if tuple(grp) == zgroup else Collective.ALL_REDUCE)
                 syncs[(full_stages, got.group)] = got
             largest = max([two.feet[r2].bucket]
                           + [x.nbytes for x in syncs.values() if x.count == 1])
@@ -249,9 +252,10 @@ def simulate_stagefold(graph: Graph, plan: Plan, cluster: Cluster, shape: StageS
             # bucket that is one sum grows with the blocks; once buckets close they do not),
             # and ZeRO-1/2's full local gradients (affine).
             temps = max(two.feet[r2].held, round(largest))
-            if plan.zero in (1, 2) and two.zero_group[r2] > 1:  # a tied copy's are whole
-                kept = model_state_memory(two.feet[r2].kept, precision=precision).grads
-                temps = max(temps, (mem["grads"] - kept) * two.zero_group[r2])
+            if plan.zero in (1, 2) and len(zgroup) > 1:  # what ZeRO does not own is whole
+                kept = model_state_memory(round(ex(one.feet[r2].kept, two.feet[r2].kept, blocks, v)),
+                                          precision=precision).grads
+                temps = max(temps, (mem["grads"] - kept) * len(zgroup))
             mem["temporaries"] = temps
             r = q * g + j
             costs[r], memory[r] = c, MemoryUse(**mem)

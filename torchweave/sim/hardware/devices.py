@@ -220,6 +220,12 @@ _MAMF_H100 = (f"matmul efficiency: {MAMF}, row 'NVIDIA H100 SXM' (794.5 of 989 T
               "table notes 'H200 is the same')")
 _BABEL_A100_40 = f"bandwidth efficiency: {BABELSTREAM}; this device's run, 1,377.4 of 1,555 GB/s"
 _BABEL_A100_80 = f"bandwidth efficiency: {BABELSTREAM}; this device's run, 1,724.8 of 2,039 GB/s"
+_MAMF_A100_PCIE = (f"matmul efficiency: {MAMF}, row 'NVIDIA A100 PCIe' (252.9 of 312 TFLOP/s); "
+                   "bandwidth: no measurement of this device found, the mean of two A100 "
+                   "BabelStream runs")
+_MAMF_AMD = (f"matmul efficiency: no MI250 row in {MAMF}; the median of its AMD rows (MI355X "
+             "68.0, MI325X 60.4, MI300X 51.4%); bandwidth: the mean of two A100 BabelStream "
+             "runs (no AMD measurement found)")
 _GENERIC_BANDWIDTH = ("bandwidth efficiency: no published measurement of this device found; the "
                       "mean of two A100 BabelStream runs (docs/simulator.md, 'Cost model')")
 _GENERIC_EFFICIENCY = ("matmul and bandwidth efficiency: no published measurement of this device "
@@ -232,7 +238,6 @@ _ENTRIES = (
         peak=Peak(fp32=15.7 * TFLOPS, fp16=125 * TFLOPS),
         memory_bytes=32 * GiB, memory_bandwidth=900 * GB, intra=_NVLINK2, inter=_EDR_4X100,
         node_size=8, price_per_hour=2.0,
-        
         sources=(_GENERIC_EFFICIENCY, "NVIDIA Tesla V100 GPU Architecture whitepaper (2017)",
                  "NVIDIA Tesla V100 GPU datasheet (2020)",
                  "NVIDIA DGX-1 with Tesla V100 System Architecture whitepaper (2017)"),
@@ -242,21 +247,23 @@ _ENTRIES = (
         peak=_A100_PEAK, memory_bytes=40 * GiB, memory_bandwidth=1555 * GB,
         intra=_NVLINK3, inter=_HDR_8X200, node_size=8, price_per_hour=2.0,
         matmul_efficiency=0.869, bandwidth_efficiency=round(1377.4 / 1555, 3),
-        sources=(_MAMF_A100, _BABEL_A100_40, _AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
+        sources=(_MAMF_A100, _BABEL_A100_40, _AMPERE,
+                 "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
     ),
     Device(
         name="A100-80GB-SXM", description="NVIDIA A100 SXM4 80GB (Ampere)",
         peak=_A100_PEAK, memory_bytes=80 * GiB, memory_bandwidth=2039 * GB,
         intra=_NVLINK3, inter=_HDR_8X200, node_size=8, price_per_hour=2.5,
         matmul_efficiency=0.869, bandwidth_efficiency=round(1724.8 / 2039, 3),
-        sources=(_MAMF_A100, _BABEL_A100_80, _AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
+        sources=(_MAMF_A100, _BABEL_A100_80, _AMPERE,
+                 "NVIDIA A100 Tensor Core GPU datasheet (2021)", _DGX_A100),
     ),
     Device(
         name="A100-80GB-PCIe", description="NVIDIA A100 PCIe 80GB (Ampere), no NVLink bridge",
         peak=_A100_PEAK, memory_bytes=80 * GiB, memory_bandwidth=1935 * GB,
         intra=_PCIE4, inter=_HDR_4X200, node_size=8, price_per_hour=2.0,
         matmul_efficiency=0.811,
-        sources=(f"matmul efficiency: {MAMF}, row 'NVIDIA A100 PCIe' (252.9 of 312 TFLOP/s); bandwidth: no measurement of this device found, the mean of two A100 BabelStream runs", _AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)",
+        sources=(_MAMF_A100_PCIE, _AMPERE, "NVIDIA A100 Tensor Core GPU datasheet (2021)",
                  "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
     ),
     Device(
@@ -280,8 +287,8 @@ _ENTRIES = (
         name="RTX3090", description="NVIDIA GeForce RTX 3090 24GB, PCIe only (no peer-to-peer)",
         peak=_GA102_PEAK, memory_bytes=24 * GiB, memory_bandwidth=936 * GB,
         intra=_PCIE4, inter=_ETH100_PER8, node_size=8, price_per_hour=0.4,
-        
-        sources=(_GENERIC_EFFICIENCY, _GA102, "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
+        sources=(_GENERIC_EFFICIENCY, _GA102,
+                 "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
     ),
     Device(
         name="RTX3090-NVLink",
@@ -292,8 +299,8 @@ _ENTRIES = (
                    kind="NVLink 3 bridge, 4 links (112.5 GB/s both directions)"),
         inter=Link(bandwidth=12.5 * GB / 2, latency=50e-6, kind="1x100 Gb/s Ethernet per 2-GPU node"),
         node_size=2, price_per_hour=0.4,
-        
-        sources=(_GENERIC_EFFICIENCY, _GA102, "NVIDIA GeForce RTX 3090 product specifications (NVLink bridge)"),
+        sources=(_GENERIC_EFFICIENCY, _GA102,
+                 "NVIDIA GeForce RTX 3090 product specifications (NVLink bridge)"),
     ),
     Device(
         name="RTX4090", description="NVIDIA GeForce RTX 4090 24GB (Ada), PCIe only",
@@ -301,7 +308,6 @@ _ENTRIES = (
                   fp16=165.2 * TFLOPS, fp8=330.3 * TFLOPS),
         memory_bytes=24 * GiB, memory_bandwidth=1008 * GB, intra=_PCIE4, inter=_ETH100_PER8,
         node_size=8, price_per_hour=0.7,
-        
         sources=(_GENERIC_EFFICIENCY, "NVIDIA Ada GPU Architecture whitepaper (2022), RTX 4090 column",
                  "PCI Express Base Specification, Revision 4.0 (PCI-SIG, 2017)"),
     ),
@@ -317,7 +323,7 @@ _ENTRIES = (
                    kind="4x200 Gb/s HPE Slingshot-11 per 8-GCD node (LUMI-G, Frontier)"),
         node_size=8, price_per_hour=1.0,
         matmul_efficiency=0.604,
-        sources=(f"matmul efficiency: no MI250 row in {MAMF}; the median of its AMD rows (MI355X 68.0, MI325X 60.4, MI300X 51.4%); bandwidth: the mean of two A100 BabelStream runs (no AMD measurement found)", "AMD Instinct MI250 Accelerator datasheet (2021)",
+        sources=(_MAMF_AMD, "AMD Instinct MI250 Accelerator datasheet (2021)",
                  "Introducing AMD CDNA 2 Architecture whitepaper (2021)",
                  "HPE Cray EX235a compute blade (LUMI-G) node description"),
     ),

@@ -27,7 +27,6 @@ Ops that fail to run this way keep their roofline time.
 from __future__ import annotations
 
 import importlib
-import math
 import json
 import statistics
 import time
@@ -227,14 +226,11 @@ def profile_graph(graph: Graph, plan: Plan, profiles: OpProfiles, *,
     each rank's parameters (lowered programs), on ``device``; returns how many entries
     were timed. ``profiles.device`` should name that device: keys do not."""
     from torchweave.lower.lower import lower
-    from torchweave.lower.program import zero_members
+    from torchweave.lower.program import optimizer_numels
 
     done = 0
     for prog in lower(graph, plan):
-        local = [math.prod(b - a for a, b in s.box) for s in prog.params
-                 if s.requires_grad and not s.is_buffer]
-        dp = max(1, len(zero_members(prog.params, prog.rank, plan.pipeline)))
-        numels = [sum(local) // dp] if plan.zero >= 1 else local
+        numels = optimizer_numels(prog.params, plan.zero_group(prog.rank))
         done += profile_optimizer(numels, profiles, reps=reps, device=device)
     for node in graph.nodes:
         piece = first_piece(plan, node.name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from torchweave.lower import steps
-from torchweave.lower.program import Comm, Compute, zero_members
+from torchweave.lower.program import Comm, Compute, optimizer_numels, zero_owns
 from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.hardware.profile import optimizer_key
 from torchweave.sim.step.context import StepContext
@@ -145,7 +145,7 @@ def place_syncs(self: StepContext, tasks: list[Task], foot: Footprint, inputs: S
     out: list[Task] = []
     waits: dict = {}  # a marker's name -> what its sum waits for
 
-    sharded = zero_members(params.values(), rank, self.plan.pipeline) if zero else ()
+    sharded = self.plan.zero_group(rank)
 
     def flush(grp: tuple, names: list[str], size: float) -> None:
         # ZeRO-2 reduce-scatters what it owns; a tied weight's copies are all-reduced
@@ -171,14 +171,12 @@ def place_syncs(self: StepContext, tasks: list[Task], foot: Footprint, inputs: S
         flush(*done)
     local = sum(inputs.nbytes[p] for p in params)
     dp = max(1, len(sharded))
-    kept = sum(inputs.nbytes[p] for p, s in params.items()  # not ZeRO's: a tied weight's copy
-               if s.grad_groups and not any(tuple(g) == sharded for g in s.grad_groups))
+    kept = sum(inputs.nbytes[p] for p, s in params.items() if not zero_owns(s, sharded))
     shard = (local - kept) / dp + kept if zero >= 1 else local
     bw = self.cluster.device.memory_bandwidth * self.model.bandwidth
     t_opt = 7 * shard / bw
     if self.profiles is not None:  # ZeRO steps one flat shard; else one tensor per parameter
-        each = [math.prod(b - a for a, b in s.box) for s in params.values()]
-        numels = [sum(each) // dp] if zero >= 1 else each
+        numels = optimizer_numels(params.values(), sharded)
         t_opt = self.profiles.lookup(optimizer_key(numels)) or (t_opt,)
         t_opt = t_opt[0]
     out.append(Task(COMPUTE, "optimizer (AdamW)", tuple(synced), (OPTIMIZER,), t_opt))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from torchweave.lower import steps
-from torchweave.lower.program import Comm, Compute, Program
+from torchweave.lower.program import Comm, Compute, Program, zero_owns
 from torchweave.lower.units import group_units, read_order, unit_key
 from torchweave.sim.hardware.collective_cost import Collective
 from torchweave.sim.step.context import StepContext
@@ -31,6 +31,7 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
     params = {}
     state = RankForward(prog, foot, params)
     nbytes = state.nbytes
+    sharded = ctx.plan.zero_group(r)
     for s in prog.params:
         n = math.prod(b - a for a, b in s.box)
         value = ctx.paths.get(s.path)
@@ -39,7 +40,7 @@ def forward(ctx: StepContext, prog: Program) -> tuple[list[Task], RankForward]:
             foot.buffers += int(nbytes[s.local])
         else:
             foot.params += n
-            if s.copied and s.requires_grad:
+            if s.requires_grad and ctx.plan.zero and not zero_owns(s, sharded):
                 foot.kept += n
             if s.requires_grad:
                 params[s.local] = s

@@ -26,7 +26,6 @@ import torch
 
 from torchweave.errors import Problem, SimError
 from torchweave.ir.graph import Graph
-from torchweave.lower.program import Program, zero_members
 from torchweave.plan.plan import Plan
 from torchweave.plan.recycle import resolve_links
 from torchweave.sim.explain.result import Event, MemoryUse, OutOfMemory, Replicas, SimResult
@@ -79,8 +78,8 @@ def memory_use(plan: Plan, programs, feet, ranks, dtype, activations=None) -> tu
     out = []
     for i, r in enumerate(ranks):
         f = feet[r]
-        dp = zero_group(plan, programs[i], r)
-        kept = f.kept if plan.zero else 0  # a tied weight's copies: whole under ZeRO too
+        dp = zero_group(plan, r)
+        kept = f.kept if plan.zero else 0  # what ZeRO does not own: whole (zero_owns)
         state = model_state_memory(f.params - kept, dp=dp, stage=plan.zero, precision=precision)
         whole = model_state_memory(kept, precision=precision)
         grads, opt, temps = state.grads + whole.grads, state.optimizer + whole.optimizer, f.temporaries
@@ -234,10 +233,9 @@ def assemble(plan: Plan, cluster: Cluster, *, step: float, compute: tuple[float,
         folded_blocks=folded_blocks, comm_latency=comm_latency)
 
 
-def zero_group(plan: Plan, prog: Program, rank: int) -> int:
-    if not plan.zero:
-        return 1
-    return max(1, len(zero_members(prog.params, rank, plan.pipeline)))
+def zero_group(plan: Plan, rank: int) -> int:
+    """How many ranks ZeRO shards ``rank``'s state over (1 without ZeRO)."""
+    return max(1, len(plan.zero_group(rank)))
 
 
 def tokens_of(graph: Graph) -> int:

@@ -29,9 +29,10 @@ class Footprint:
     params: int = 0
     """Parameter elements held."""
     kept: int = 0
-    """Of ``params``, the elements ZeRO keeps whole: a tied weight's copies
-    (``ParamSlot.copied``), whose sum spans stage groups, so the runtime's ZeRO, which owns
-    what its group sums, all-reduces them and keeps their full optimizer state."""
+    """Of ``params``, the elements a ZeRO plan keeps whole (``lower.program.zero_owns``:
+    what its group does not sum, such as a tied weight's copies, summed across stage groups,
+    and an expert's, summed over dp alone): the runtime all-reduces their gradients and keeps
+    their full optimizer state. 0 without ZeRO."""
     stage_activations: dict[int, int] = field(default_factory=dict)
     """Pipelined plans: activation bytes by stage (for the whole batch)."""
     boundary: dict[int, float] = field(default_factory=dict)
