@@ -112,7 +112,8 @@ def test_folded_blocks_extrapolate_to_the_full_model(name: str) -> None:
     assert any("blocks" in n for n in fast.notes)
 
 
-@pytest.mark.parametrize("spec", ["dp", "tp:tp=8", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("spec", ["dp", "tp:tp=8", "zero1", "zero2", "zero3",
+                                  "sp:tp=8,dp=8,zero=1"])  # norms kept whole: grow per block
 def test_folding_with_many_gradient_buckets_equals_the_exact_path(spec: str) -> None:
     """24 blocks of d_model 512: ~300 MB of gradients in 12 buckets of 25 MiB that do
     not align with blocks, on 8 nodes (collective cost not affine in bytes)."""

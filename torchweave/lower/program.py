@@ -274,8 +274,8 @@ class Program:
 def zero_owns(slot, group: tuple[int, ...]) -> bool:
     """Whether a ZeRO plan sharding over ``group`` (``Plan.zero_group``) owns ``slot``: its
     gradient is summed over that group. What it does not own (a tied weight's copies, summed
-    across stage groups; an expert's, summed over dp alone where ZeRO shards over dp × ep)
-    keeps its whole gradient and optimizer state (``runtime/zero.py``)."""
+    across stage groups; a norm's under sequence parallelism, over tp × dp; under ep, all
+    but the experts, over dp × ep) keeps its whole gradient and optimizer state (``runtime/zero.py``)."""
     return bool(group) and tuple(group) in (tuple(g) for g in slot.grad_groups)
 
 

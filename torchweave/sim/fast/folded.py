@@ -66,7 +66,7 @@ def simulate_folded(graph: Graph, plan: Plan, cluster: Cluster, blocks: Blocks, 
             return None
         f3 = feet3[r]
         feet[r] = replace(foot, params=_ex(f3.params, foot.params, n),
-                          buffers=_ex(f3.buffers, foot.buffers, n),
+                          buffers=_ex(f3.buffers, foot.buffers, n), kept=_ex(f3.kept, foot.kept, n),
                           activations=_ex(f3.activations, foot.activations, n),
                           temporaries=foot.held, bucket=0, grad_order=[])
         tasks[r] = place_syncs(builder, lifted[0], feet[r], lifted[1], r)

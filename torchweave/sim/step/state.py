@@ -31,7 +31,7 @@ class Footprint:
     kept: int = 0
     """Of ``params``, the elements a ZeRO plan keeps whole (``lower.program.zero_owns``:
     what its group does not sum, such as a tied weight's copies, summed across stage groups,
-    and an expert's, summed over dp alone): the runtime all-reduces their gradients and keeps
+    a norm's under sequence parallelism, and under ep all but the experts): the runtime all-reduces their gradients and keeps
     their full optimizer state. 0 without ZeRO."""
     stage_activations: dict[int, int] = field(default_factory=dict)
     """Pipelined plans: activation bytes by stage (for the whole batch)."""
